@@ -1,0 +1,1 @@
+//! k3-models: model descriptions.

@@ -1,0 +1,1 @@
+//! k3-run library: storage, planning, execution.

@@ -1,0 +1,1 @@
+//! k3-text: tokenizer and chat format.

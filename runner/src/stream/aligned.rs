@@ -1,0 +1,236 @@
+//! Aligned, RAII-owned I/O buffers from anonymous `mmap`.
+//!
+//! Owns: allocating buffers whose address (and usable length) are multiples of the O_DIRECT
+//! alignment (4096) — or of 2 MiB for large buffers, advised as transparent huge pages with
+//! `madvise(MADV_HUGEPAGE)` where the kernel allows it — and unmapping them on drop.
+//! Must not: read files or know what the bytes mean.
+//! Follows upstream: SYSTEM.md §3 ("buffers are 2 MB huge-page backed: O_DIRECT pins every
+//! target page; 4 KB pages cost ~54 million pin operations per token on real K3") and
+//! rust-deps.md Q4 (anonymous mapping + madvise; MAP_HUGETLB is not used because it needs
+//! reserved huge pages).
+
+use std::io;
+use std::ptr::NonNull;
+
+/// The alignment every buffer (address and capacity) satisfies: the common O_DIRECT limit.
+pub const IO_ALIGN: usize = 4096;
+/// Transparent huge page size on x86-64 / most arm64 kernels; large buffers align to it.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Round `n` up to a multiple of `align` (a power of two).
+pub fn align_up(n: u64, align: u64) -> u64 {
+    debug_assert!(align.is_power_of_two());
+    n.div_ceil(align) * align
+}
+
+/// Round `n` down to a multiple of `align` (a power of two).
+pub fn align_down(n: u64, align: u64) -> u64 {
+    debug_assert!(align.is_power_of_two());
+    n & !(align - 1)
+}
+
+/// A zero-initialised byte buffer backed by its own anonymous mapping.
+///
+/// `len()` is the requested length; `capacity()` is `len` rounded up to the buffer's alignment
+/// (at least [`IO_ALIGN`]), so an O_DIRECT read rounded out to 4096 always fits.
+#[derive(Debug)]
+pub struct AlignedBuf {
+    /// Start of the aligned region (inside the mapping).
+    ptr: NonNull<u8>,
+    len: usize,
+    capacity: usize,
+    align: usize,
+    huge_pages: bool,
+}
+
+// SAFETY: the buffer exclusively owns its mapping; `&AlignedBuf` only hands out `&[u8]` and
+// `&mut AlignedBuf` only `&mut [u8]`, so the usual borrow rules make sharing sound.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: see above; no interior mutability.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A buffer of `len` bytes: 2 MiB-aligned and huge-page advised when `len >= 2 MiB`,
+    /// otherwise 4096-aligned.
+    pub fn new(len: usize) -> io::Result<Self> {
+        let align = if len >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            IO_ALIGN
+        };
+        Self::with_align(len, align)
+    }
+
+    /// A buffer of `len` bytes aligned to `align` (a power of two >= 4096). Alignments of
+    /// 2 MiB or more are advised as huge pages.
+    pub fn with_align(len: usize, align: usize) -> io::Result<Self> {
+        if !align.is_power_of_two() || align < IO_ALIGN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("buffer alignment {align} is not a power of two >= {IO_ALIGN}"),
+            ));
+        }
+        let capacity = align_up(len.max(1) as u64, align.min(HUGE_PAGE) as u64);
+        let capacity = usize::try_from(capacity).map_err(|_| too_big(len))?;
+        // Over-allocate by `align - page` so an aligned start exists, then trim both ends.
+        let slack = align - IO_ALIGN;
+        let map_len = capacity.checked_add(slack).ok_or_else(|| too_big(len))?;
+        // SAFETY: anonymous private mapping with no address hint; the result is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("mmap of a {map_len}-byte anonymous buffer failed: {e}"),
+            ));
+        }
+        let base_addr = base as usize;
+        let start = align_up(base_addr as u64, align as u64) as usize;
+        let head = start - base_addr;
+        let tail = map_len - head - capacity;
+        // SAFETY: both ranges lie inside the mapping just created and are page-aligned
+        // (mmap returns page-aligned addresses; `head`, `capacity` and `slack` are multiples
+        // of 4096). Unmapping slack never touches the region we keep.
+        unsafe {
+            if head > 0 {
+                libc::munmap(base, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + capacity) as *mut libc::c_void, tail);
+            }
+        }
+        let mut huge_pages = false;
+        if align >= HUGE_PAGE {
+            // SAFETY: the range is our own mapping; MADV_HUGEPAGE is only a hint.
+            let rc =
+                unsafe { libc::madvise(start as *mut libc::c_void, capacity, libc::MADV_HUGEPAGE) };
+            huge_pages = rc == 0;
+        }
+        let ptr = NonNull::new(start as *mut u8).ok_or_else(|| {
+            io::Error::other("mmap returned a null aligned start (impossible for a valid mapping)")
+        })?;
+        Ok(Self {
+            ptr,
+            len,
+            capacity,
+            align,
+            huge_pages,
+        })
+    }
+
+    /// The requested length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Usable bytes (the requested length rounded up to the alignment).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Alignment of the start address.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+
+    /// Whether `madvise(MADV_HUGEPAGE)` was accepted for this buffer.
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// The first `len()` bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping holds `capacity >= len` readable bytes, zero-initialised by mmap.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The first `len()` bytes, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// All `capacity()` bytes (for rounded-out O_DIRECT reads).
+    pub fn full(&self) -> &[u8] {
+        // SAFETY: the mapping holds `capacity` bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.capacity) }
+    }
+
+    /// All `capacity()` bytes, mutable.
+    pub fn full_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping holds `capacity` bytes; `&mut self` guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.capacity) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr+capacity` is exactly the region we kept mapped in `with_align`.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.capacity);
+        }
+    }
+}
+
+fn too_big(len: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("buffer of {len} bytes overflows the address space"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_buffers_are_4k_aligned_and_zeroed() {
+        for len in [0usize, 1, 4095, 4096, 4097, 100_000] {
+            let b = AlignedBuf::new(len).expect("alloc");
+            assert_eq!(b.as_slice().as_ptr() as usize % IO_ALIGN, 0, "len {len}");
+            assert_eq!(b.len(), len);
+            assert!(b.capacity() >= len && b.capacity().is_multiple_of(IO_ALIGN));
+            assert!(b.full().iter().all(|&x| x == 0));
+        }
+    }
+
+    #[test]
+    fn large_buffers_are_2m_aligned_and_writable() {
+        let mut b = AlignedBuf::new(HUGE_PAGE + 123).expect("alloc");
+        assert_eq!(b.as_slice().as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(b.capacity() % HUGE_PAGE, 0);
+        let cap = b.capacity();
+        b.full_mut()[cap - 1] = 7;
+        b.as_mut_slice()[0] = 9;
+        assert_eq!(b.full()[cap - 1], 7);
+        assert_eq!(b.as_slice()[0], 9);
+    }
+
+    #[test]
+    fn rejects_bad_alignment() {
+        assert!(AlignedBuf::with_align(10, 1000).is_err());
+        assert!(AlignedBuf::with_align(10, 512).is_err());
+    }
+
+    #[test]
+    fn align_helpers() {
+        assert_eq!(align_up(0, 4096), 0);
+        assert_eq!(align_up(1, 4096), 4096);
+        assert_eq!(align_up(4096, 4096), 4096);
+        assert_eq!(align_down(4097, 4096), 4096);
+        assert_eq!(align_down(4095, 512), 3584);
+    }
+}

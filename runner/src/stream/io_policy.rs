@@ -1,0 +1,130 @@
+//! I/O policies: how the packed trunk and the routed experts are read.
+//!
+//! Owns: parsing `configs/io/*.toml` (unknown keys refused); the built-in `direct` (default)
+//! and `mmap` (page-cache comparison for the benchmark) policies.
+//! Must not: open files (the trunk and expert store do).
+//! Follows upstream: SYSTEM.md §3 (O_DIRECT, 2 MB pages) and issue 4 ("the same model through
+//! a plain mmap + page-cache path ... to show what the pinned prefix + O_DIRECT design buys").
+
+use std::path::Path;
+
+use super::StreamError;
+
+/// How the packed trunk is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrunkIo {
+    /// Pinned prefix + ring slots, positional reads (O_DIRECT when `o_direct`).
+    Direct,
+    /// Plain `mmap` of trunk.bin through the page cache.
+    Mmap,
+}
+
+/// One I/O policy file.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct IoPolicy {
+    pub name: String,
+    pub trunk: TrunkIo,
+    /// Open trunk.bin and the shards with O_DIRECT (falls back to buffered, reported).
+    pub o_direct: bool,
+    /// Advise 2 MB transparent huge pages for large buffers.
+    pub huge_pages: bool,
+    /// Reader threads for expert misses (queue depth).
+    pub read_threads: usize,
+    /// Try io_uring for expert reads (falls back to the thread pool at run time).
+    #[serde(default)]
+    pub io_uring: bool,
+}
+
+const DIRECT: &str = include_str!("../../../configs/io/direct.toml");
+const MMAP: &str = include_str!("../../../configs/io/mmap.toml");
+
+pub fn parse_io_policy(text: &str, origin: &str) -> Result<IoPolicy, StreamError> {
+    let p: IoPolicy = toml::from_str(text)
+        .map_err(|e| StreamError::Config(format!("I/O policy {origin}: {e}")))?;
+    if p.read_threads == 0 || p.read_threads > 256 {
+        return Err(StreamError::Config(format!(
+            "I/O policy {origin}: read_threads must be in 1..=256, got {}",
+            p.read_threads
+        )));
+    }
+    Ok(p)
+}
+
+impl IoPolicy {
+    /// The default policy (`configs/io/direct.toml`).
+    pub fn direct() -> Self {
+        parse_io_policy(DIRECT, "configs/io/direct.toml")
+            .expect("the shipped configs/io/direct.toml is valid (unit-tested)")
+    }
+    /// The page-cache comparison policy (`configs/io/mmap.toml`).
+    pub fn mmap() -> Self {
+        parse_io_policy(MMAP, "configs/io/mmap.toml")
+            .expect("the shipped configs/io/mmap.toml is valid (unit-tested)")
+    }
+}
+
+impl Default for IoPolicy {
+    fn default() -> Self {
+        Self::direct()
+    }
+}
+
+/// `--io VALUE`: `direct`, `mmap`, or a path to a policy TOML file.
+pub fn load_io_policy(value: &str) -> Result<IoPolicy, StreamError> {
+    match value {
+        "direct" => Ok(IoPolicy::direct()),
+        "mmap" => Ok(IoPolicy::mmap()),
+        v if v.contains('/') || v.ends_with(".toml") => {
+            let path = Path::new(v);
+            let text =
+                std::fs::read_to_string(path).map_err(|e| StreamError::io("read", path, e))?;
+            parse_io_policy(&text, v)
+        }
+        v => Err(StreamError::Config(format!(
+            "unknown I/O policy {v:?}; built-in: direct, mmap (or a path to a .toml)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_policies_parse() {
+        let d = parse_io_policy(DIRECT, "direct.toml").expect("direct");
+        assert_eq!(
+            (d.trunk, d.o_direct, d.huge_pages),
+            (TrunkIo::Direct, true, true)
+        );
+        let m = parse_io_policy(MMAP, "mmap.toml").expect("mmap");
+        assert_eq!((m.trunk, m.o_direct), (TrunkIo::Mmap, false));
+        assert_eq!(load_io_policy("mmap").expect("mmap"), m);
+        assert_eq!(IoPolicy::default(), d);
+    }
+
+    #[test]
+    fn bad_policies_are_refused() {
+        let e = parse_io_policy(
+            "name='x'\ntrunk='direct'\no_direct=true\nhuge_pages=true\nread_threads=4\nqd=3\n",
+            "x.toml",
+        )
+        .expect_err("unknown key");
+        assert!(e.to_string().contains("qd"), "{e}");
+        let e = parse_io_policy(
+            "name='x'\ntrunk='nfs'\no_direct=true\nhuge_pages=true\nread_threads=4\n",
+            "x.toml",
+        )
+        .expect_err("bad enum");
+        assert!(e.to_string().contains("x.toml"), "{e}");
+        let e = parse_io_policy(
+            "name='x'\ntrunk='mmap'\no_direct=true\nhuge_pages=true\nread_threads=0\n",
+            "x.toml",
+        )
+        .expect_err("zero threads");
+        assert!(e.to_string().contains("read_threads"), "{e}");
+        assert!(load_io_policy("uring").is_err());
+    }
+}

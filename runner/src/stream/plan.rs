@@ -1,0 +1,488 @@
+//! The trunk memory plan (pinned prefix + ring slots) and the up-front KV/state memory check.
+//!
+//! Owns: turning per-layer packed trunk sizes, a byte budget and a requested ring-slot count
+//! into how many leading layers are pinned, how many ring slots there are and how big each
+//! slot is; refusing a budget that cannot hold even one slot, with the numbers; refusing a
+//! request whose KV cache + recurrent state cannot fit, before the run starts.
+//! Must not: allocate or read anything (the trunk does), or know what a layer contains.
+//! Follows upstream: SYSTEM.md §3 and the Chinese seed article §3.2-§3.4: pinned layers at
+//! their exact size, ring slots all of the largest unpinned layer, a second slot only when it
+//! fits (the one-slot fallback), and §5 (KV memory computed before the run).
+//!
+//! On the fixed point. Pinning more layers makes the largest *unpinned* layer smaller, which
+//! frees budget to pin more; the seed iterates "pin what fits next to the slots, resize the
+//! slots, repeat" a bounded number of passes, starting from slots of the largest layer. That
+//! iteration is monotone and stops at the least fixed point above its start, so it never
+//! pins the largest layer unless the budget already covers `ring x largest` — but on K3 the
+//! largest layer is layer 0, the first one a prefix pins. Here the same fixed point is
+//! solved exactly: the slot size is a function of the prefix length `n`
+//! (`slot(n) = max(size[n..])`), so the plan is the largest `n` with
+//! `sum(size[..n]) + ring * slot(n) <= budget`, found by one scan over the `L + 1` candidates.
+//! It always pins at least as many layers as the bounded iteration (a property test checks
+//! this against the seed's loop) and is monotone in the budget.
+
+use super::aligned::{IO_ALIGN, align_up};
+use super::fmt_bytes;
+
+/// Errors of the planners.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "trunk budget {} ({budget} bytes) cannot fit even one ring slot: the largest layer \
+         (layer {largest_layer}) needs a {} slot ({need} bytes) and the whole trunk is {}; \
+         raise --trunk-gb to at least {}",
+        fmt_bytes(*budget), fmt_bytes(*need), fmt_bytes(*total), fmt_bytes(*need)
+    )]
+    CannotFitOneSlot {
+        budget: u64,
+        need: u64,
+        largest_layer: usize,
+        total: u64,
+    },
+    #[error("--trunk-ring must be at least 1, got {0}")]
+    ZeroRing(usize),
+    #[error("the packed trunk has no layers")]
+    EmptyTrunk,
+    #[error(
+        "KV cache and recurrent state for {positions} positions need {} ({} per position x \
+         {positions} + {} fixed), but only {} remain ({} memory limit minus {} already planned \
+         for trunk, expert cache and global tensors); shorten the request (prompt + --gen), or \
+         lower the budgets",
+        fmt_bytes(*need), fmt_bytes(*per_position), fmt_bytes(*fixed),
+        fmt_bytes(limit.saturating_sub(*planned)), fmt_bytes(*limit), fmt_bytes(*planned)
+    )]
+    StateTooBig {
+        positions: usize,
+        need: u64,
+        per_position: u64,
+        fixed: u64,
+        limit: u64,
+        planned: u64,
+    },
+}
+
+/// How the packed trunk is held in memory.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TrunkPlan {
+    pub n_layers: usize,
+    /// Sum of the exact layer sizes.
+    pub total_bytes: u64,
+    pub budget_bytes: u64,
+    /// Layers `0..pinned_layers` stay resident.
+    pub pinned_layers: usize,
+    /// Bytes allocated for the pinned prefix (each layer rounded up to 4096 for O_DIRECT).
+    pub pinned_bytes: u64,
+    /// Ring slots the other layers rotate through (0 when every layer is pinned).
+    pub ring_slots: usize,
+    /// Size of every ring slot: the largest unpinned layer rounded up to 4096.
+    pub ring_slot_bytes: u64,
+    /// Ring slots asked for (`--trunk-ring`, default 2).
+    pub requested_ring: usize,
+}
+
+impl TrunkPlan {
+    /// Bytes the plan allocates.
+    pub fn planned_bytes(&self) -> u64 {
+        self.pinned_bytes + self.ring_slots as u64 * self.ring_slot_bytes
+    }
+    /// The deterministic trunk hit rate: pinned layers / all layers.
+    pub fn hit_rate(&self) -> f64 {
+        if self.n_layers == 0 {
+            0.0
+        } else {
+            self.pinned_layers as f64 / self.n_layers as f64
+        }
+    }
+    pub fn is_pinned(&self, layer: usize) -> bool {
+        layer < self.pinned_layers
+    }
+    /// A reader thread prefetches layer L+1 while L computes only with >= 2 slots.
+    pub fn prefetch(&self) -> bool {
+        self.ring_slots >= 2
+    }
+    /// Fewer slots than requested because the budget could not afford them.
+    pub fn ring_reduced(&self) -> bool {
+        self.pinned_layers < self.n_layers && self.ring_slots < self.requested_ring
+    }
+
+    /// The start-up lines: the plan, the fallback note if any, the deterministic hit rate.
+    /// (The O_DIRECT line comes from the reader, which knows whether the filesystem agreed.)
+    pub fn report_lines(&self) -> Vec<String> {
+        let mut v = vec![format!(
+            "trunk stream: {} packed, {}/{} layers PINNED ({}), ring {} x {} (budget {})",
+            fmt_bytes(self.total_bytes),
+            self.pinned_layers,
+            self.n_layers,
+            fmt_bytes(self.pinned_bytes),
+            self.ring_slots,
+            fmt_bytes(self.ring_slot_bytes),
+            fmt_bytes(self.budget_bytes),
+        )];
+        if self.ring_slots == 1 {
+            v.push(if self.requested_ring >= 2 {
+                format!(
+                    "trunk ring: the budget cannot afford {} slots of {}; ONE slot, synchronous \
+                     reads (reads are not overlapped with compute; raise --trunk-gb). Output \
+                     tokens are identical either way.",
+                    self.requested_ring,
+                    fmt_bytes(self.ring_slot_bytes)
+                )
+            } else {
+                "trunk ring: one slot requested; synchronous reads (not overlapped with compute)"
+                    .to_string()
+            });
+        } else if self.ring_reduced() {
+            v.push(format!(
+                "trunk ring: {} of {} requested slots fit the budget",
+                self.ring_slots, self.requested_ring
+            ));
+        }
+        v.push(format!(
+            "deterministic hit rate {:.1}% (a cyclic scan defeats LRU, so a pinned prefix is used instead)",
+            100.0 * self.hit_rate()
+        ));
+        v
+    }
+}
+
+/// Plan the trunk: `layer_bytes` are the packed layer sizes in layer order, `budget` the trunk
+/// budget in bytes, `requested_ring` the ring slots asked for (>= 1). More ring slots are
+/// preferred over more pinned layers (the second slot buys the read/compute overlap); if the
+/// requested count cannot fit, fewer are used, down to one; if not even one slot fits, the
+/// error names the numbers.
+pub fn plan_trunk(
+    layer_bytes: &[u64],
+    budget: u64,
+    requested_ring: usize,
+) -> Result<TrunkPlan, PlanError> {
+    if requested_ring == 0 {
+        return Err(PlanError::ZeroRing(requested_ring));
+    }
+    let n_layers = layer_bytes.len();
+    if n_layers == 0 {
+        return Err(PlanError::EmptyTrunk);
+    }
+    let a = IO_ALIGN as u64;
+    let sizes: Vec<u64> = layer_bytes.iter().map(|&b| align_up(b, a)).collect();
+    // prefix[n] = bytes of layers 0..n; suffix_max[n] = largest of layers n.. (0 for n = L).
+    let mut prefix = vec![0u64; n_layers + 1];
+    for i in 0..n_layers {
+        prefix[i + 1] = prefix[i].saturating_add(sizes[i]);
+    }
+    let mut suffix_max = vec![0u64; n_layers + 1];
+    for i in (0..n_layers).rev() {
+        suffix_max[i] = suffix_max[i + 1].max(sizes[i]);
+    }
+    let total_bytes: u64 = layer_bytes.iter().sum();
+    let cost = |n: usize, ring: usize| -> u64 {
+        if n == n_layers {
+            prefix[n]
+        } else {
+            prefix[n].saturating_add((ring as u64).saturating_mul(suffix_max[n]))
+        }
+    };
+    for ring in (1..=requested_ring).rev() {
+        if let Some(n) = (0..=n_layers).rev().find(|&n| cost(n, ring) <= budget) {
+            let (ring_slots, slot) = if n == n_layers {
+                (0, 0)
+            } else {
+                (ring, suffix_max[n])
+            };
+            return Ok(TrunkPlan {
+                n_layers,
+                total_bytes,
+                budget_bytes: budget,
+                pinned_layers: n,
+                pinned_bytes: prefix[n],
+                ring_slots,
+                ring_slot_bytes: slot,
+                requested_ring,
+            });
+        }
+    }
+    // One slot fits iff budget >= the largest layer (any prefix either pins it or streams it).
+    let (largest_layer, need) = sizes
+        .iter()
+        .copied()
+        .enumerate()
+        .max_by_key(|&(i, s)| (s, std::cmp::Reverse(i)))
+        .unwrap_or((0, 0));
+    Err(PlanError::CannotFitOneSlot {
+        budget,
+        need,
+        largest_layer,
+        total: total_bytes,
+    })
+}
+
+/// Memory for the KV cache (MLA layers) and recurrent state (KDA layers) of one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StateMemory {
+    /// Bytes added per position (the executor computes it from the model: MLA cache rows).
+    pub bytes_per_position: u64,
+    /// Bytes independent of length (KDA state, conv history, scratch).
+    pub fixed_bytes: u64,
+    /// Positions the request can reach (prompt + generated).
+    pub positions: usize,
+}
+
+impl StateMemory {
+    pub fn total(&self) -> u64 {
+        self.bytes_per_position
+            .saturating_mul(self.positions as u64)
+            .saturating_add(self.fixed_bytes)
+    }
+}
+
+/// Refuse up front a request whose state cannot fit next to what is already planned.
+/// `limit` is the memory the process may use (see [`memory_limit_bytes`]); `planned` is what
+/// the trunk plan, expert cache and global tensors take. Returns the state bytes.
+pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Result<u64, PlanError> {
+    let need = state.total();
+    let avail = limit.saturating_sub(planned);
+    if need > avail {
+        return Err(PlanError::StateTooBig {
+            positions: state.positions,
+            need,
+            per_position: state.bytes_per_position,
+            fixed: state.fixed_bytes,
+            limit,
+            planned,
+        });
+    }
+    Ok(need)
+}
+
+/// The memory this process may use: the smaller of `MemAvailable` (/proc/meminfo) and the
+/// cgroup v2 `memory.max` of the current cgroup minus its current usage. `None` if neither is
+/// readable (non-Linux).
+pub fn memory_limit_bytes() -> Option<u64> {
+    let avail = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| parse_meminfo_available(&s));
+    let cg = cgroup_headroom();
+    match (avail, cg) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// `MemAvailable` in bytes from the text of /proc/meminfo.
+pub fn parse_meminfo_available(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix("MemAvailable:")?;
+        let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+        Some(kb * 1024)
+    })
+}
+
+fn cgroup_headroom() -> Option<u64> {
+    let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = cg.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
+    let dir = std::path::Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
+    let max = std::fs::read_to_string(dir.join("memory.max")).ok()?;
+    let max = max.trim();
+    if max == "max" {
+        return None;
+    }
+    let max: u64 = max.parse().ok()?;
+    let cur: u64 = std::fs::read_to_string(dir.join("memory.current"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    Some(max.saturating_sub(cur))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const K: u64 = 4096;
+
+    /// The seed's bounded fixed-point loop (C engine, `k3_trunk.c`), for comparison only.
+    fn seed_fixed_point(sizes: &[u64], budget: u64, ring: u64) -> Option<(usize, u64)> {
+        let max = sizes.iter().copied().max().unwrap_or(0);
+        let mut slot = align_up(max, K);
+        let mut npin = 0usize;
+        for _ in 0..4 {
+            let avail = budget.saturating_sub(slot * ring);
+            let (mut n, mut used) = (0usize, 0u64);
+            while n < sizes.len() && used + align_up(sizes[n], K) <= avail {
+                used += align_up(sizes[n], K);
+                n += 1;
+            }
+            let mut need = sizes[n..].iter().copied().max().unwrap_or(0);
+            if need == 0 {
+                need = K;
+            }
+            if n == npin && align_up(need, K) == slot {
+                break;
+            }
+            npin = n;
+            slot = align_up(need, K);
+        }
+        let pinned: u64 = sizes[..npin].iter().map(|&s| align_up(s, K)).sum();
+        (pinned + ring * slot <= budget).then_some((npin, slot))
+    }
+
+    #[test]
+    fn everything_fits_pins_all_without_ring() {
+        let p = plan_trunk(&[5 * K, 3 * K, 3 * K], 11 * K, 2).expect("plan");
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (3, 0, 0)
+        );
+        assert_eq!(p.pinned_bytes, 11 * K);
+        assert!((p.hit_rate() - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn two_slots_preferred_then_one_slot_fallback() {
+        // layers: 4K, 2K, 2K, 2K (x4096). Budget 8K: 2 slots of 4K and nothing pinned, or pin
+        // layer 0 + 2 slots of 2K = 8K -> 1 pinned, 2 slots of 2K.
+        let sizes = [4 * K, 2 * K, 2 * K, 2 * K];
+        let p = plan_trunk(&sizes, 8 * K, 2).expect("plan");
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (1, 2, 2 * K)
+        );
+        // Budget 5K: 2 slots never fit (>= 4K+2x2K = 8K or 2x4K); one slot: pin layer 0 needs
+        // 4K+2K = 6K > 5K, so 0 pinned + one slot of 4K.
+        let p = plan_trunk(&sizes, 5 * K, 2).expect("plan");
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (0, 1, 4 * K)
+        );
+        assert!(p.ring_reduced());
+        assert!(!p.prefetch());
+        let lines = p.report_lines().join("\n");
+        assert!(lines.contains("ONE slot, synchronous"), "{lines}");
+        assert!(lines.contains("deterministic hit rate 0.0%"), "{lines}");
+    }
+
+    #[test]
+    fn cannot_fit_one_slot_names_the_numbers() {
+        let err = plan_trunk(&[3 * K, 9 * K, 2 * K], 8 * K, 2).expect_err("too small");
+        let msg = err.to_string();
+        assert!(msg.contains("layer 1"), "{msg}");
+        assert!(msg.contains(&(9 * K).to_string()), "{msg}");
+        assert!(msg.contains(&(8 * K).to_string()), "{msg}");
+        assert!(matches!(
+            plan_trunk(&[K], K, 0),
+            Err(PlanError::ZeroRing(0))
+        ));
+        assert!(matches!(plan_trunk(&[], K, 1), Err(PlanError::EmptyTrunk)));
+    }
+
+    #[test]
+    fn unaligned_sizes_are_rounded_to_4096() {
+        let p = plan_trunk(&[5000, 100, 100], 3 * K, 1).expect("plan");
+        // 5000 -> 8192: pin layer 0 (8192) + one slot of 4096 = 12288 > 3K budget? 3K = 12288.
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (1, 1, K)
+        );
+        assert_eq!(p.pinned_bytes, 2 * K);
+        assert_eq!(p.total_bytes, 5200);
+    }
+
+    #[test]
+    fn seed_iteration_misses_pinning_the_largest_layer() {
+        // Slots of the largest layer (2 x 10K) exceed 12K, so the seed's loop pins nothing and
+        // two slots do not fit; pinning layer 0 leaves 2 slots of 1K: 10K + 2K = 12K.
+        let sizes = [10 * K, K, K, K];
+        assert_eq!(seed_fixed_point(&sizes, 12 * K, 2), None);
+        let p = plan_trunk(&sizes, 12 * K, 2).expect("plan");
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (1, 2, K)
+        );
+        assert_eq!(p.planned_bytes(), 12 * K);
+    }
+
+    #[test]
+    fn state_memory_check() {
+        let s = StateMemory {
+            bytes_per_position: 1000,
+            fixed_bytes: 500,
+            positions: 10,
+        };
+        assert_eq!(check_state_memory(&s, 100, 10_600).expect("fits"), 10_500);
+        let err = check_state_memory(&s, 200, 10_600).expect_err("too big");
+        let msg = err.to_string();
+        assert!(msg.contains("10 positions"), "{msg}");
+        assert!(msg.contains("10.50 KB"), "{msg}");
+        assert!(msg.contains("10.40 KB remain"), "{msg}");
+    }
+
+    #[test]
+    fn meminfo_parse() {
+        let t = "MemTotal:       24000000 kB\nMemFree:  1 kB\nMemAvailable:   23000000 kB\n";
+        assert_eq!(parse_meminfo_available(t), Some(23_000_000 * 1024));
+        assert_eq!(parse_meminfo_available("MemTotal: 1 kB\n"), None);
+    }
+
+    fn sizes_strategy() -> impl Strategy<Value = Vec<u64>> {
+        prop::collection::vec(1u64..200_000, 1..40)
+    }
+
+    proptest! {
+        #[test]
+        fn plan_fits_budget_and_is_self_consistent(
+            sizes in sizes_strategy(), budget in 0u64..4_000_000, ring in 1usize..4
+        ) {
+            if let Ok(p) = plan_trunk(&sizes, budget, ring) {
+                prop_assert!(p.planned_bytes() <= budget);
+                let al: Vec<u64> = sizes.iter().map(|&s| align_up(s, K)).collect();
+                prop_assert_eq!(p.pinned_bytes, al[..p.pinned_layers].iter().sum::<u64>());
+                if p.pinned_layers < sizes.len() {
+                    prop_assert!(p.ring_slots >= 1 && p.ring_slots <= ring);
+                    prop_assert_eq!(p.ring_slot_bytes, *al[p.pinned_layers..].iter().max().unwrap());
+                    // No longer prefix fits with the same ring count.
+                    for n in p.pinned_layers + 1..=sizes.len() {
+                        let slot = al[n..].iter().copied().max().unwrap_or(0);
+                        let c = al[..n].iter().sum::<u64>()
+                            + if n == sizes.len() { 0 } else { p.ring_slots as u64 * slot };
+                        prop_assert!(c > budget, "prefix {} would fit ({} <= {})", n, c, budget);
+                    }
+                } else {
+                    prop_assert_eq!(p.ring_slots, 0);
+                }
+                // Never worse than the seed's bounded iteration with the same ring count.
+                if p.ring_slots > 0
+                    && let Some((n_seed, _)) = seed_fixed_point(&sizes, budget, p.ring_slots as u64)
+                {
+                    prop_assert!(p.pinned_layers >= n_seed);
+                }
+            } else {
+                // Infeasible exactly when the budget is below the largest (aligned) layer.
+                let max = sizes.iter().map(|&s| align_up(s, K)).max().unwrap();
+                prop_assert!(budget < max);
+            }
+        }
+
+        #[test]
+        fn plan_is_monotone_in_budget(
+            sizes in sizes_strategy(), b1 in 0u64..4_000_000, extra in 0u64..2_000_000, ring in 1usize..4
+        ) {
+            let b2 = b1 + extra;
+            let p1 = plan_trunk(&sizes, b1, ring);
+            let p2 = plan_trunk(&sizes, b2, ring);
+            if let Ok(p1) = p1 {
+                let p2 = p2.expect("more budget cannot make a plan infeasible");
+                // Ring slots never drop as the budget grows (all-pinned counts as enough).
+                let r = |p: &TrunkPlan| if p.ring_slots == 0 { usize::MAX } else { p.ring_slots };
+                prop_assert!(r(&p2) >= r(&p1));
+                // With the same ring count, the pinned prefix never shrinks.
+                if p1.ring_slots == p2.ring_slots {
+                    prop_assert!(p2.pinned_layers >= p1.pinned_layers);
+                }
+                // With one slot requested, pinned count is monotone outright.
+                let q1 = plan_trunk(&sizes, b1, 1).expect("one slot fits if ring fits");
+                let q2 = plan_trunk(&sizes, b2, 1).expect("one slot fits if ring fits");
+                prop_assert!(q2.pinned_layers >= q1.pinned_layers);
+            }
+        }
+    }
+}

@@ -1,1 +1,39 @@
-//! k3-text: tokenizer and chat format.
+//! k3-text: the Kimi K3 tokenizer, the XTML chat renderer and portable chat history records.
+//!
+//! Owns: text in and out of the model: [`tokenizer`] (tiktoken.model + Kimi pre-tokenizer +
+//! the 256 reserved specials), [`chat`] (records and the XTML prompt renderer), [`history`]
+//! (JSONL transcript files) and [`pyjson`] (Python `json` semantics the format depends on).
+//!
+//! Must not: run the model, sample, or hard-code K3 token ids (they come from the checkpoint's
+//! tokenizer files).
+//!
+//! Follows upstream moonshotai/Kimi-K3 `tokenization_kimi.py` and `encoding_k3.py`
+//! (revision c5d1dd4 by default); see each module for the details and known differences.
+//!
+//! Typical use (what `k3-run render-chat` does):
+//! ```no_run
+//! use k3_text::{chat, history, tokenizer::Tokenizer};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let messages = history::load_jsonl(std::path::Path::new("chat.jsonl"))?;
+//! let opts = chat::RenderOptions {
+//!     thinking: chat::Thinking::from_flags(false, Some("high"))?,
+//!     ..Default::default()
+//! };
+//! let rendered = chat::render_prompt(&messages, &opts)?;
+//! print!("{}", rendered.render_text());
+//! let tok = Tokenizer::load(std::path::Path::new("/models/k3"))?;
+//! let ids = rendered.render_ids(&tok)?;
+//! # let _ = ids; Ok(()) }
+//! ```
+
+pub mod chat;
+pub mod history;
+pub mod pyjson;
+pub mod tokenizer;
+
+pub use chat::{
+    ChatError, Effort, Message, RenderOptions, Rendered, Revision, Role, Segment, Thinking,
+    render_prompt,
+};
+pub use history::HistoryError;
+pub use tokenizer::{Decoder, Tokenizer, TokenizerError};

@@ -1,0 +1,168 @@
+//! Portable chat history files (JSONL, one [`Message`] per line).
+//!
+//! Owns: loading a history file with per-line validation ([`load_jsonl`]), appending one
+//! record atomically ([`append_record`]), and the `--system` consistency check
+//! ([`check_system`]).
+//!
+//! Must not: rewrite or truncate an existing history (a corrupt file is reported, never
+//! repaired), or store anything but the portable records (model state is never serialised).
+//!
+//! Format: UTF-8, one JSON object per line, `\n`-terminated:
+//! `{"role":"user","content":"..."}`, `{"role":"assistant","content":"...","reasoning_content":"..."}`.
+//! The file holds every message and all reasoning, so it is created with mode 0600.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::chat::{Message, Role};
+
+/// Errors from reading or writing a history file.
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}:{line}: corrupt history record: {msg}", path.display())]
+    Corrupt {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+    #[error(
+        "{}: the file does not end with a newline (a torn last record?); refusing to append",
+        path.display()
+    )]
+    TornTail { path: PathBuf },
+    #[error("cannot serialise the record for {}: {msg}", path.display())]
+    Serialize { path: PathBuf, msg: String },
+    #[error(
+        "--system does not match the history's initial system record in {} \
+         (stored: {stored:?})",
+        path.display()
+    )]
+    SystemMismatch {
+        path: PathBuf,
+        stored: Option<String>,
+    },
+}
+
+/// Read and validate every line of a history file. Empty file → no messages. A line that is
+/// not UTF-8, not a JSON object, has an unknown role or field, or lacks the final newline
+/// (torn write) is reported with its 1-based line number.
+pub fn load_jsonl(path: &Path) -> Result<Vec<Message>, HistoryError> {
+    let data = std::fs::read(path).map_err(|source| HistoryError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_jsonl(&data, path)
+}
+
+/// [`load_jsonl`] on bytes already read; `path` is only used in errors.
+pub fn parse_jsonl(data: &[u8], path: &Path) -> Result<Vec<Message>, HistoryError> {
+    let corrupt = |line: usize, msg: String| HistoryError::Corrupt {
+        path: path.to_path_buf(),
+        line,
+        msg,
+    };
+    let mut out = Vec::new();
+    if data.is_empty() {
+        return Ok(out);
+    }
+    let body = match data.strip_suffix(b"\n") {
+        Some(b) => b,
+        None => {
+            let line = data.iter().filter(|&&b| b == b'\n').count() + 1;
+            return Err(corrupt(
+                line,
+                "last line has no terminating newline (torn write?)".to_string(),
+            ));
+        }
+    };
+    for (i, line) in body.split(|&b| b == b'\n').enumerate() {
+        let line_no = i + 1;
+        let text = std::str::from_utf8(line).map_err(|e| {
+            corrupt(
+                line_no,
+                format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()),
+            )
+        })?;
+        if text.trim().is_empty() {
+            return Err(corrupt(line_no, "empty line".to_string()));
+        }
+        let msg: Message =
+            serde_json::from_str(text).map_err(|e| corrupt(line_no, e.to_string()))?;
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// Append one record as a single `\n`-terminated line with one `write` call, then fsync.
+/// The file is created with mode 0600 if missing. Refuses to append after a torn last line.
+pub fn append_record(path: &Path, message: &Message) -> Result<(), HistoryError> {
+    let io = |source: std::io::Error| HistoryError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut line = serde_json::to_string(message).map_err(|e| HistoryError::Serialize {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    line.push('\n');
+
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true).append(true).create(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let mut file = opts.open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len > 0 {
+        let mut last = [0u8; 1];
+        file.seek(SeekFrom::Start(len - 1)).map_err(io)?;
+        file.read_exact(&mut last).map_err(io)?;
+        if last[0] != b'\n' {
+            return Err(HistoryError::TornTail {
+                path: path.to_path_buf(),
+            });
+        }
+    }
+    // O_APPEND: the write lands at the end whatever the cursor says. write_all issues a
+    // single write(2) for a regular file unless the kernel returns a short count.
+    file.write_all(line.as_bytes()).map_err(io)?;
+    file.flush().map_err(io)?;
+    file.sync_data().map_err(io)?;
+    Ok(())
+}
+
+/// The content of the initial system record, if the history starts with one.
+pub fn initial_system(messages: &[Message]) -> Option<&str> {
+    messages
+        .first()
+        .filter(|m| m.role == Role::System)
+        .map(|m| m.content.as_str())
+}
+
+/// `--system TEXT` must equal the stored initial system record (when the history is not
+/// empty). `path` is only used in the error.
+pub fn check_system(
+    messages: &[Message],
+    system: Option<&str>,
+    path: &Path,
+) -> Result<(), HistoryError> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let stored = initial_system(messages);
+    match system {
+        Some(s) if stored != Some(s) => Err(HistoryError::SystemMismatch {
+            path: path.to_path_buf(),
+            stored: stored.map(str::to_string),
+        }),
+        _ => Ok(()),
+    }
+}

@@ -139,6 +139,21 @@ pub fn append_record(path: &Path, message: &Message) -> Result<(), HistoryError>
     Ok(())
 }
 
+/// Start or resume a transcript with an optional `--system TEXT`: an empty history gets the
+/// system record (if any) as its first message; a non-empty one must already start with the
+/// same system record ([`check_system`]) and is returned unchanged.
+pub fn with_system(
+    messages: Vec<Message>,
+    system: Option<&str>,
+    path: &Path,
+) -> Result<Vec<Message>, HistoryError> {
+    if messages.is_empty() {
+        return Ok(system.map(Message::system).into_iter().collect());
+    }
+    check_system(&messages, system, path)?;
+    Ok(messages)
+}
+
 /// The content of the initial system record, if the history starts with one.
 pub fn initial_system(messages: &[Message]) -> Option<&str> {
     messages

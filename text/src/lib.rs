@@ -2,7 +2,8 @@
 //!
 //! Owns: text in and out of the model: [`tokenizer`] (tiktoken.model + Kimi pre-tokenizer +
 //! the 256 reserved specials), [`chat`] (records and the XTML prompt renderer), [`history`]
-//! (JSONL transcript files) and [`pyjson`] (Python `json` semantics the format depends on).
+//! (JSONL transcript files), [`reply`] (generated ids back into an assistant record) and
+//! [`pyjson`] (Python `json` semantics the format depends on).
 //!
 //! Must not: run the model, sample, or hard-code K3 token ids (they come from the checkpoint's
 //! tokenizer files).
@@ -29,6 +30,7 @@
 pub mod chat;
 pub mod history;
 pub mod pyjson;
+pub mod reply;
 pub mod tokenizer;
 
 pub use chat::{
@@ -36,4 +38,5 @@ pub use chat::{
     render_prompt,
 };
 pub use history::HistoryError;
+pub use reply::{Reply, ReplyEvent, ReplyParser};
 pub use tokenizer::{Decoder, Tokenizer, TokenizerError};

@@ -140,3 +140,23 @@ fn system_flag_must_match_stored_record() {
     assert!(history::check_system(&no_system, Some("S"), p).is_err());
     assert!(history::check_system(&[], Some("S"), p).is_ok());
 }
+
+#[test]
+fn with_system_starts_or_checks_the_transcript() {
+    let p = std::path::Path::new("h.jsonl");
+    assert_eq!(
+        history::with_system(Vec::new(), Some("S"), p).expect("new"),
+        vec![Message::system("S")]
+    );
+    assert!(
+        history::with_system(Vec::new(), None, p)
+            .expect("new")
+            .is_empty()
+    );
+    let stored = vec![Message::system("S"), Message::user("u")];
+    assert_eq!(
+        history::with_system(stored.clone(), Some("S"), p).expect("resume"),
+        stored
+    );
+    assert!(history::with_system(stored, Some("other"), p).is_err());
+}

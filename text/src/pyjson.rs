@@ -16,7 +16,10 @@
 //!
 //! Known differences from CPython, all outside what a chat transcript can reasonably hold: a
 //! lone UTF-16 surrogate escape (`"\ud800"`) becomes U+FFFD (CPython keeps the surrogate in
-//! the `str`; tiktoken then replaces it with U+FFFD when encoding, so token ids agree).
+//! the `str`; tiktoken then replaces it with U+FFFD when encoding, so token ids agree); an
+//! integer of more than 4,300 digits or nesting deeper than 900 levels is a parse error here,
+//! while CPython raises a non-`JSONDecodeError` exception (so upstream fails to render where
+//! the renderer here falls back to a raw `json` block).
 
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

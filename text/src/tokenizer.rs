@@ -582,6 +582,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tokenizer_and_decoder_are_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Tokenizer>();
+        assert_send_sync::<Decoder>();
+    }
+
+    #[test]
     fn isspace_matches_python_definition_on_known_points() {
         for c in [
             '\t', '\n', '\x0b', '\x0c', '\r', '\x1c', '\x1f', ' ', '\u{85}', '\u{a0}',

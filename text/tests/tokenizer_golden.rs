@@ -94,6 +94,27 @@ fn corpus_ids_match_python_tiktoken() {
 }
 
 #[test]
+fn random_strings_match_python_tiktoken() {
+    let g = golden();
+    let tok = tok();
+    let fuzz = g["fuzz"].as_array().expect("fuzz cases");
+    assert!(fuzz.len() >= 300);
+    for (i, case) in fuzz.iter().enumerate() {
+        let text = case["text"].as_str().expect("text");
+        let plain = tok.encode_text(text).expect("encode_text");
+        assert_eq!(plain, ids_u32(&case["plain"]), "fuzz {i} (plain): {text:?}");
+        let special = tok
+            .encode_with_specials(text)
+            .expect("encode_with_specials");
+        assert_eq!(
+            special,
+            ids_u32(&case["special"]),
+            "fuzz {i} (special): {text:?}"
+        );
+    }
+}
+
+#[test]
 fn specials_match_python_naming() {
     let g = golden();
     let tok = tok();

@@ -270,6 +270,64 @@ pub fn layer_roles(spec: &ModelSpec, l: usize) -> Vec<TensorRole> {
     v
 }
 
+/// A template split at its placeholders, so expansion is one allocation per name.
+struct Compiled {
+    parts: Vec<Part>,
+    dtype: DType,
+}
+
+enum Part {
+    Lit(String),
+    Layer,
+    Expert,
+}
+
+impl Compiled {
+    fn new(t: &Template) -> Compiled {
+        let mut parts = Vec::new();
+        let mut rest = t.name.as_str();
+        loop {
+            let next = [("{layer}", 0), ("{expert}", 1)]
+                .iter()
+                .filter_map(|&(p, k)| rest.find(p).map(|i| (i, p.len(), k)))
+                .min();
+            match next {
+                None => {
+                    if !rest.is_empty() {
+                        parts.push(Part::Lit(rest.to_string()));
+                    }
+                    break;
+                }
+                Some((i, len, k)) => {
+                    if i > 0 {
+                        parts.push(Part::Lit(rest[..i].to_string()));
+                    }
+                    parts.push(if k == 0 { Part::Layer } else { Part::Expert });
+                    rest = &rest[i + len..];
+                }
+            }
+        }
+        Compiled {
+            parts,
+            dtype: t.dtype,
+        }
+    }
+
+    fn expand(&self, layer: Option<usize>, expert: Option<usize>) -> String {
+        use std::fmt::Write;
+        let mut s = String::with_capacity(96);
+        for p in &self.parts {
+            // Writing to a String cannot fail.
+            let _ = match p {
+                Part::Lit(x) => s.write_str(x),
+                Part::Layer => write!(s, "{}", layer.unwrap_or(0)),
+                Part::Expert => write!(s, "{}", expert.unwrap_or(0)),
+            };
+        }
+        s
+    }
+}
+
 /// Expand the templates into the full inventory, in the order documented on
 /// `ModelSpec::tensors`. Errors name the role whose template or shape is missing (a bug in
 /// validation if it ever happens, so it is reported rather than panicking).
@@ -278,45 +336,47 @@ pub fn build(
     t: &Templates,
     a_log: ALogLayout,
 ) -> Result<Vec<TensorDecl>, String> {
-    let mut out = Vec::new();
-    let decl = |role: TensorRole, layer: Option<usize>, expert: Option<usize>| {
-        let tpl = t
-            .get(role)
+    let compiled: Vec<Option<Compiled>> =
+        t.0.iter().map(|x| x.as_ref().map(Compiled::new)).collect();
+    // (template, shape) of a role; shapes do not depend on the layer or expert.
+    let role_info = |role: TensorRole| -> Result<(&Compiled, Vec<usize>), String> {
+        let c = compiled
+            .get(role as usize)
+            .and_then(Option::as_ref)
             .ok_or_else(|| format!("no name template for role `{}`", role.key()))?;
         let shape = shape(spec, role, a_log)
             .ok_or_else(|| format!("no shape for role `{}`", role.key()))?;
-        let mut name = tpl.name.clone();
-        if let Some(l) = layer {
-            name = name.replace("{layer}", &l.to_string());
-        }
-        if let Some(e) = expert {
-            name = name.replace("{expert}", &e.to_string());
-        }
-        Ok::<TensorDecl, String>(TensorDecl {
-            name,
-            role,
-            layer,
-            expert,
-            dtype: tpl.dtype,
-            shape,
-        })
+        Ok((c, shape))
     };
+    let decl = |info: &(&Compiled, Vec<usize>), role, layer, expert| TensorDecl {
+        name: info.0.expand(layer, expert),
+        role,
+        layer,
+        expert,
+        dtype: info.0.dtype,
+        shape: info.1.clone(),
+    };
+    let mut out = Vec::new();
     let mut global = BlockRoles::global(spec.attn_res.is_some());
     global.sort();
     for role in global {
-        out.push(decl(role, None, None)?);
+        out.push(decl(&role_info(role)?, role, None, None));
     }
     for l in 0..spec.n_layers {
         for role in layer_roles(spec, l) {
-            out.push(decl(role, Some(l), None)?);
+            out.push(decl(&role_info(role)?, role, Some(l), None));
         }
         if spec.layers[l].ffn == FfnKind::Moe
             && let Some(m) = &spec.moe
         {
-            let roles = BlockRoles::expert(m.expert_format);
+            let roles = BlockRoles::expert(m.expert_format)
+                .into_iter()
+                .map(|r| role_info(r).map(|i| (r, i)))
+                .collect::<Result<Vec<_>, String>>()?;
+            out.reserve(m.n_experts * roles.len());
             for e in 0..m.n_experts {
-                for &role in &roles {
-                    out.push(decl(role, Some(l), Some(e))?);
+                for (role, info) in &roles {
+                    out.push(decl(info, *role, Some(l), Some(e)));
                 }
             }
         }

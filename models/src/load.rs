@@ -1172,7 +1172,8 @@ fn attn_res(
 }
 
 fn check_unique_names(spec: &ModelSpec, cx: &Cx<'_>, errs: &mut Errors) {
-    let mut seen = std::collections::HashSet::with_capacity(spec.tensors.len());
+    let mut seen = rustc_hash::FxHashSet::default();
+    seen.reserve(spec.tensors.len());
     for t in &spec.tensors {
         if !seen.insert(t.name.as_str()) {
             errs.push(SpecError::new(

@@ -2,42 +2,69 @@
 //!
 //! Owns: the `match` from [`Isa`] to an implementation. Must not: change any order defined in
 //! [`crate::reduce`]; every path here is tested bit for bit against the scalar reference.
+//! Callers pass an `isa` already resolved by `isa::resolve` (so it is available).
 
 use crate::isa::Isa;
 use crate::matvec::{rows_bf16_ref, rows_f32_ref, rows_mxfp4_ref};
 use crate::reduce::dot_ref;
 
-multiversion! {
-    fn dot_mv(a: &[f32], b: &[f32]) -> f32 { dot_ref(a, b) }
-}
-multiversion! {
-    fn rows_f32_mv(w: &[f32], x: &[f32], out: &mut [f32]) { rows_f32_ref(w, x, out) }
-}
-multiversion! {
-    fn rows_bf16_mv(w: &[u16], x: &[f32], out: &mut [f32]) { rows_bf16_ref(w, x, out) }
-}
-multiversion! {
-    fn rows_mxfp4_mv(p: &[u8], s: &[u8], x: &[f32], out: &mut [f32]) {
-        rows_mxfp4_ref(p, s, x, out)
-    }
-}
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
-/// Canonical dot on `isa` (already resolved to an available path).
+/// Canonical dot on `isa`.
 pub(crate) fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    dot_mv(isa, a, b)
+    match isa {
+        // SAFETY (all arms): `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::dot_f32(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::dot_f32(a, b) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::dot_f32(a, b) },
+        _ => dot_ref(a, b),
+    }
 }
 
 /// Rows of an f32 matvec on `isa`.
 pub(crate) fn rows_f32(isa: Isa, w: &[f32], x: &[f32], out: &mut [f32]) {
-    rows_f32_mv(isa, w, x, out)
+    match isa {
+        // SAFETY (all arms): `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::rows_f32(w, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::rows_f32(w, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::rows_f32(w, x, out) },
+        _ => rows_f32_ref(w, x, out),
+    }
 }
 
 /// Rows of a bf16 matvec on `isa`.
 pub(crate) fn rows_bf16(isa: Isa, w: &[u16], x: &[f32], out: &mut [f32]) {
-    rows_bf16_mv(isa, w, x, out)
+    match isa {
+        // SAFETY (all arms): `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::rows_bf16(w, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::rows_bf16(w, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::rows_bf16(w, x, out) },
+        _ => rows_bf16_ref(w, x, out),
+    }
 }
 
 /// Rows of an MXFP4 matvec on `isa`.
 pub(crate) fn rows_mxfp4(isa: Isa, packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
-    rows_mxfp4_mv(isa, packed, scales, x, out)
+    match isa {
+        // SAFETY (all arms): `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::rows_mxfp4(packed, scales, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::rows_mxfp4(packed, scales, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::rows_mxfp4(packed, scales, x, out) },
+        _ => rows_mxfp4_ref(packed, scales, x, out),
+    }
 }

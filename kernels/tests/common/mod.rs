@@ -90,7 +90,7 @@ impl Rng {
             1e-30,
         ];
         for x in v.iter_mut() {
-            if self.next_u32() % one_in == 0 {
+            if self.next_u32().is_multiple_of(one_in) {
                 *x = SPECIAL[(self.next_u32() % SPECIAL.len() as u32) as usize];
             }
         }

@@ -1,1 +1,16 @@
 //! k3-run library: storage, planning, execution.
+//!
+//! Map: [`checkpoint`] reads real-layout safetensors checkpoints; [`synth`] writes synthetic
+//! ones; [`plan`] compiles a spec into an execution plan; [`exec`] runs the forward pass over
+//! the [`weights`] providers ([`resident`] or [`stream`]); [`run`] is the decode loop; [`cli`]
+//! is the `k3-run` command line.
+
+pub mod checkpoint;
+pub mod cli;
+pub mod exec;
+pub mod plan;
+pub mod resident;
+pub mod run;
+pub mod stream;
+pub mod synth;
+pub mod weights;

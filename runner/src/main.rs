@@ -1,1 +1,3 @@
-fn main() { eprintln!("k3-run: not yet implemented"); std::process::exit(2); }
+fn main() -> std::process::ExitCode {
+    k3_run::cli::main()
+}

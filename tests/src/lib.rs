@@ -1,1 +1,105 @@
-//! Integration test crate; tests live in tests/tests/.
+//! Shared helpers for the cross-crate conformance tests in `tests/tests/`.
+//!
+//! Owns: locating the committed fixtures (`fixtures/models/<name>/`), reading the independent
+//! reference's `summary.json` and raw f32 logits, and running the engine resident on a
+//! checkpoint. Must not: compute any reference value itself (the reference is the numpy
+//! oracle under `fixtures/oracle/`, see `fixtures/README.md`).
+
+use std::path::{Path, PathBuf};
+
+use k3_models::spec::ModelSpec;
+use k3_run::checkpoint::Checkpoint;
+use k3_run::exec::{Executor, Providers};
+use k3_run::plan::Plan;
+use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+
+/// Repository root (the parent of this crate's directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives inside the repository")
+        .to_path_buf()
+}
+
+/// The reference outputs of one model fixture (`fixtures/models/<name>/ref/summary.json`).
+#[derive(Debug, serde::Deserialize)]
+pub struct RefSummary {
+    pub name: String,
+    pub n_vocab: usize,
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub tf_sequence: Vec<u32>,
+    pub tf_argmax: Vec<u32>,
+    pub stable: Vec<bool>,
+    pub greedy_stable_steps: Vec<bool>,
+    pub first_unstable_step: Option<usize>,
+    pub logit_tolerance: f32,
+}
+
+/// One committed model fixture: checkpoint + reference.
+pub struct Fixture {
+    pub name: String,
+    pub ckpt_dir: PathBuf,
+    pub summary: RefSummary,
+    /// [n_positions][vocab] teacher-forced reference logits.
+    pub tf_logits: Vec<Vec<f32>>,
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+impl Fixture {
+    pub fn load(name: &str) -> Fixture {
+        let dir = repo_root().join("fixtures/models").join(name);
+        let sp = dir.join("ref/summary.json");
+        let text =
+            std::fs::read_to_string(&sp).unwrap_or_else(|e| panic!("read {}: {e}", sp.display()));
+        let summary: RefSummary =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", sp.display()));
+        let flat = read_f32(&dir.join("ref/tf_logits.f32"));
+        let v = summary.n_vocab;
+        assert_eq!(flat.len(), summary.tf_sequence.len() * v, "tf_logits shape");
+        let tf_logits = flat.chunks_exact(v).map(|c| c.to_vec()).collect();
+        Fixture {
+            name: name.to_string(),
+            ckpt_dir: dir.join("ckpt"),
+            summary,
+            tf_logits,
+        }
+    }
+}
+
+/// Load spec (built-in kimi-k3 manifest + the checkpoint's config.json) and open the checkpoint.
+pub fn open_model(dir: &Path) -> (ModelSpec, Checkpoint) {
+    let spec = k3_run::cli::load_spec(dir, None, None)
+        .unwrap_or_else(|f| panic!("load spec for {}: {}", dir.display(), f.msg));
+    let ckpt =
+        Checkpoint::open(dir, &spec).unwrap_or_else(|e| panic!("open {}: {e}", dir.display()));
+    (spec, ckpt)
+}
+
+/// Resident providers over an open checkpoint.
+pub fn resident<'c>(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Providers<'c> {
+    Providers {
+        trunk: Box::new(ResidentTrunk::new(spec, ckpt).expect("bind trunk")),
+        experts: Box::new(ResidentExperts::new(spec, ckpt)),
+        global: Box::new(ResidentGlobal::new(spec, ckpt).expect("bind globals")),
+    }
+}
+
+/// An executor for `positions` positions with `threads` threads.
+pub fn executor(spec: &ModelSpec, positions: usize, threads: usize) -> Executor<'_> {
+    Executor::new(spec, Plan::new(spec, positions), threads)
+}
+
+/// Indices of the `k` largest values (ties to the lower index).
+pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}

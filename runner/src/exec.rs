@@ -1,0 +1,854 @@
+//! The executor: one token through the whole Kimi-family stack, as a flat list of kernel calls.
+//!
+//! Owns: the forward pass (embedding, Block AttnRes, KDA, MLA, dense SiTU-GLU, latent MoE,
+//! output AttnRes, final norm, lm_head), the per-sequence decode state (KDA conv windows and
+//! recurrent state, MLA KV cache) and the scratch buffers, all sized from the [`Plan`].
+//! Must not: know where weight bytes come from (see [`crate::weights`]) or do I/O itself.
+//!
+//! Follows upstream: `../shared/research/k3-architecture.md` §4 (HF `modeling_kimi_linear.py`
+//! semantics) with the seed engine's precision model (NUMERICS.md §2): every activation stays
+//! f32, weights are widened exactly from bf16 / MXFP4. Every position is processed token by
+//! token with the same kernels, so prefill, full recompute and incremental decode give the same
+//! bits (NUMERICS.md §1).
+//!
+//! Tap names (rule of thumb 3) used in comments and dumps: `blk.{l}.attn_in`, `blk.{l}.attn_out`,
+//! `blk.{l}.mlp_in`, `blk.{l}.mlp_out`, `out.hidden`, `out.logits`.
+
+use std::borrow::Cow;
+
+use k3_kernels::{attn, attnres, kda, matvec, ops, par::Pool, router};
+use k3_models::spec::{
+    Activation, AttnKind, DType, FfnKind, KdaGateSpec, ModelSpec, RouterScoring, TensorRole,
+};
+
+use crate::plan::Plan;
+use crate::weights::{
+    ExpertSource, ExpertWeights, GlobalSource, LayerWeights, TensorBytes, TrunkSource, WeightError,
+};
+
+/// Errors of one forward step.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Weight(#[from] WeightError),
+    #[error("layer {layer}: tensor {role:?} is missing from the layer's weights")]
+    MissingTensor { layer: usize, role: TensorRole },
+    #[error("token id {token} is outside the vocabulary (size {vocab})")]
+    BadToken { token: u32, vocab: usize },
+    #[error("context full: position {pos} exceeds the planned maximum of {max} positions")]
+    ContextFull { pos: usize, max: usize },
+}
+
+/// Where the weights come from: the three providers the executor talks to.
+pub struct Providers<'a> {
+    pub trunk: Box<dyn TrunkSource + 'a>,
+    pub experts: Box<dyn ExpertSource + 'a>,
+    pub global: Box<dyn GlobalSource + 'a>,
+}
+
+/// Decode state of one KDA layer: conv windows of the pre-conv q/k/v inputs and the
+/// recurrent state S[h, k, v] (f32).
+#[derive(Clone, Debug)]
+pub struct KdaState {
+    /// [channels, conv_kernel-1] each, oldest first.
+    pub conv_q: Vec<f32>,
+    pub conv_k: Vec<f32>,
+    pub conv_v: Vec<f32>,
+    /// [n_heads, head_dim (key), head_dim (value)]
+    pub s: Vec<f32>,
+}
+
+/// KV cache of one MLA layer (expanded per-head k_nope and v plus the shared k_rope).
+#[derive(Clone, Debug, Default)]
+pub struct MlaState {
+    /// [n_pos, n_heads, d_nope]
+    pub k_nope: Vec<f32>,
+    /// [n_pos, d_rope]
+    pub k_rope: Vec<f32>,
+    /// [n_pos, n_heads, d_v]
+    pub v: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    Kda(KdaState),
+    Mla(MlaState),
+}
+
+/// The whole per-sequence state: everything carried from one position to the next.
+#[derive(Clone, Debug)]
+pub struct SeqState {
+    pub layers: Vec<LayerState>,
+    /// Positions already processed.
+    pub n_pos: usize,
+}
+
+impl SeqState {
+    pub fn new(spec: &ModelSpec) -> SeqState {
+        let layers = spec
+            .layers
+            .iter()
+            .map(|l| match l.attn {
+                AttnKind::Kda => {
+                    let p = spec
+                        .kda
+                        .as_ref()
+                        .expect("validated: KDA layers have a KdaSpec");
+                    let ch = p.n_heads * p.head_dim;
+                    let win = ch * (p.conv_kernel - 1);
+                    LayerState::Kda(KdaState {
+                        conv_q: vec![0.0; win],
+                        conv_k: vec![0.0; win],
+                        conv_v: vec![0.0; win],
+                        s: vec![0.0; p.n_heads * p.head_dim * p.head_dim],
+                    })
+                }
+                AttnKind::Mla => LayerState::Mla(MlaState::default()),
+            })
+            .collect();
+        SeqState { layers, n_pos: 0 }
+    }
+}
+
+/// Scratch buffers, sized once from the plan. Shape comments give the dimension names.
+struct Scratch {
+    /// [d_model] each
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    attn_out: Vec<f32>,
+    mlp_out: Vec<f32>,
+    tmp_d: Vec<f32>,
+    /// AttnRes: completed block sums (+ embedding), each [d_model]; partial sum [d_model].
+    blocks: Vec<Vec<f32>>,
+    partial: Vec<f32>,
+    has_partial: bool,
+    res_query: Vec<f32>,
+    res_logits: Vec<f32>,
+    /// small widened weights [max small tensor]
+    w_a: Vec<f32>,
+    w_b: Vec<f32>,
+    // KDA: [H*D] each unless noted
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    qc: Vec<f32>,
+    kc: Vec<f32>,
+    vc: Vec<f32>,
+    fa: Vec<f32>, // [gate_rank]
+    graw: Vec<f32>,
+    log_decay: Vec<f32>,
+    beta: Vec<f32>, // [H]
+    gout: Vec<f32>,
+    o: Vec<f32>,
+    // MLA
+    qa: Vec<f32>,     // [q_lora]
+    qan: Vec<f32>,    // [q_lora]
+    mq: Vec<f32>,     // [H*(nope+rope)]
+    ckv: Vec<f32>,    // [kv_lora+rope]
+    ckvn: Vec<f32>,   // [kv_lora]
+    kv: Vec<f32>,     // [H*(nope+v)]
+    scores: Vec<f32>, // [H*max_pos]
+    mo: Vec<f32>,     // [H*dv]
+    mg: Vec<f32>,     // [H*dv]
+    // FFN
+    ff_gate: Vec<f32>, // [max ff width]
+    ff_up: Vec<f32>,
+    ff_h: Vec<f32>,
+    router_logits: Vec<f32>, // [E]
+    ids: Vec<u32>,           // [top_k]
+    weights: Vec<f32>,       // [top_k]
+    z: Vec<f32>,             // [latent]
+    e_out: Vec<f32>,         // [latent]
+    acc: Vec<f32>,           // [latent]
+    accn: Vec<f32>,          // [latent]
+}
+
+impl Scratch {
+    fn new(plan: &Plan) -> Scratch {
+        let b = &plan.buffers;
+        let z = |n: usize| vec![0.0f32; n];
+        Scratch {
+            x: z(b.d_model),
+            xn: z(b.d_model),
+            attn_out: z(b.d_model),
+            mlp_out: z(b.d_model),
+            tmp_d: z(b.d_model),
+            blocks: Vec::with_capacity(b.max_attn_res_sources),
+            partial: z(b.d_model),
+            has_partial: false,
+            res_query: z(b.d_model),
+            res_logits: z(b.max_attn_res_sources + 1),
+            w_a: z(b.max_small_tensor),
+            w_b: z(b.max_small_tensor),
+            q: z(b.kda_channels),
+            k: z(b.kda_channels),
+            v: z(b.kda_channels),
+            qc: z(b.kda_channels),
+            kc: z(b.kda_channels),
+            vc: z(b.kda_channels),
+            fa: z(b.kda_gate_rank),
+            graw: z(b.kda_channels),
+            log_decay: z(b.kda_channels),
+            beta: z(b.kda_heads),
+            gout: z(b.kda_channels),
+            o: z(b.kda_channels),
+            qa: z(b.mla_q_lora),
+            qan: z(b.mla_q_lora),
+            mq: z(b.mla_q),
+            ckv: z(b.mla_ckv),
+            ckvn: z(b.mla_kv_lora),
+            kv: z(b.mla_kv),
+            scores: z(b.mla_heads * plan.max_positions),
+            mo: z(b.mla_out),
+            mg: z(b.mla_out),
+            ff_gate: z(b.max_ff),
+            ff_up: z(b.max_ff),
+            ff_h: z(b.max_ff),
+            router_logits: z(b.n_experts),
+            ids: vec![0; b.n_experts_active],
+            weights: z(b.n_experts_active),
+            z: z(b.moe_latent),
+            e_out: z(b.moe_latent),
+            acc: z(b.moe_latent),
+            accn: z(b.moe_latent),
+        }
+    }
+}
+
+/// Runs the forward pass. One executor per model; sequences are [`SeqState`]s.
+pub struct Executor<'s> {
+    spec: &'s ModelSpec,
+    plan: Plan,
+    pool: Pool,
+    s: Scratch,
+}
+
+/// View raw little-endian bytes as bf16 bit patterns (copying only if misaligned).
+fn bf16_bits(t: TensorBytes<'_>) -> Cow<'_, [u16]> {
+    match bytemuck::try_cast_slice::<u8, u16>(t.bytes) {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(
+            t.bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+    }
+}
+
+/// Widen a small BF16 or F32 tensor exactly into `out[..n]`; returns n.
+fn widen(t: TensorBytes<'_>, out: &mut [f32]) -> usize {
+    match t.decl.dtype {
+        DType::BF16 => {
+            let n = t.bytes.len() / 2;
+            for (o, c) in out[..n].iter_mut().zip(t.bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+            n
+        }
+        DType::F32 => {
+            let n = t.bytes.len() / 4;
+            for (o, c) in out[..n].iter_mut().zip(t.bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            n
+        }
+        DType::U8 => 0,
+    }
+}
+
+fn need<'a>(
+    lw: &LayerWeights<'a>,
+    layer: usize,
+    role: TensorRole,
+) -> Result<TensorBytes<'a>, ExecError> {
+    lw.get(role).ok_or(ExecError::MissingTensor { layer, role })
+}
+
+/// `out = W x` for a bf16 tensor.
+fn lin(pool: &Pool, w: TensorBytes<'_>, x: &[f32], out: &mut [f32]) {
+    matvec::matvec_bf16(pool, &bf16_bits(w), x, out);
+}
+
+/// Gated MLP activation into `h`.
+fn glu(act: Activation, gate: &[f32], up: &[f32], h: &mut [f32]) {
+    match act {
+        Activation::Situ { beta, beta_lin } => ops::situ_glu(gate, up, beta, beta_lin, h),
+        Activation::Silu => ops::silu_glu(gate, up, h),
+    }
+}
+
+impl<'s> Executor<'s> {
+    pub fn new(spec: &'s ModelSpec, plan: Plan, n_threads: usize) -> Executor<'s> {
+        let s = Scratch::new(&plan);
+        Executor {
+            spec,
+            plan,
+            pool: Pool::new(n_threads),
+            s,
+        }
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Feed one token at position `state.n_pos`; write the f32 logits of the next token.
+    pub fn step(
+        &mut self,
+        token: u32,
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        logits: &mut [f32],
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        if token as usize >= spec.vocab_size {
+            return Err(ExecError::BadToken {
+                token,
+                vocab: spec.vocab_size,
+            });
+        }
+        if state.n_pos >= self.plan.max_positions {
+            return Err(ExecError::ContextFull {
+                pos: state.n_pos,
+                max: self.plan.max_positions,
+            });
+        }
+        w.experts.begin_token();
+        let s = &mut self.s;
+        // h = E[token]  (the residual stream starts as the partial sum P)
+        w.global.embed_row(token, &mut s.partial)?;
+        s.has_partial = true;
+        s.blocks.clear();
+        for l in 0..spec.n_layers {
+            let layer = spec.layers[l];
+            let lw = w.trunk.layer(l)?;
+            // blk.{l}.attn_in
+            match &spec.attn_res {
+                Some(ar) => {
+                    if s.blocks.is_empty() {
+                        s.x.copy_from_slice(&s.partial);
+                    } else {
+                        let proj = need(&lw, l, TensorRole::AttnResProj)?;
+                        let norm = need(&lw, l, TensorRole::AttnResNorm)?;
+                        Self::attn_res(s, proj, norm, ar.eps, true);
+                    }
+                    if l % ar.block_size == 0 {
+                        s.blocks.push(s.partial.clone());
+                        s.has_partial = false;
+                    }
+                }
+                None => s.x.copy_from_slice(&s.partial),
+            }
+            let n = widen(need(&lw, l, TensorRole::InputNorm)?, &mut s.w_a);
+            ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
+            // blk.{l}.attn_out
+            match (layer.attn, &mut state.layers[l]) {
+                (AttnKind::Kda, LayerState::Kda(st)) => {
+                    Self::kda(spec, &self.pool, s, &lw, l, st)?;
+                }
+                (AttnKind::Mla, LayerState::Mla(st)) => {
+                    Self::mla(spec, &self.pool, s, &lw, l, st, state.n_pos)?;
+                }
+                _ => unreachable!("SeqState is built from the same layer map"),
+            }
+            if s.has_partial {
+                ops::add_inplace(&mut s.partial, &s.attn_out);
+            } else {
+                s.partial.copy_from_slice(&s.attn_out);
+                s.has_partial = true;
+            }
+            // blk.{l}.mlp_in
+            match &spec.attn_res {
+                Some(ar) => {
+                    let proj = need(&lw, l, TensorRole::MlpResProj)?;
+                    let norm = need(&lw, l, TensorRole::MlpResNorm)?;
+                    Self::attn_res(s, proj, norm, ar.eps, true);
+                }
+                None => s.x.copy_from_slice(&s.partial),
+            }
+            let n = widen(need(&lw, l, TensorRole::PostAttnNorm)?, &mut s.w_a);
+            ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
+            // blk.{l}.mlp_out
+            match layer.ffn {
+                FfnKind::Dense => Self::dense(spec, &self.pool, s, &lw, l)?,
+                FfnKind::Moe => {
+                    Self::moe(spec, &self.pool, s, &lw, l, w.experts.as_mut())?;
+                }
+            }
+            ops::add_inplace(&mut s.partial, &s.mlp_out);
+        }
+        // out.hidden
+        match &spec.attn_res {
+            Some(ar) => {
+                let proj =
+                    w.global
+                        .small(TensorRole::OutputResProj)
+                        .ok_or(ExecError::MissingTensor {
+                            layer: spec.n_layers,
+                            role: TensorRole::OutputResProj,
+                        })?;
+                let norm =
+                    w.global
+                        .small(TensorRole::OutputResNorm)
+                        .ok_or(ExecError::MissingTensor {
+                            layer: spec.n_layers,
+                            role: TensorRole::OutputResNorm,
+                        })?;
+                Self::attn_res(s, proj, norm, ar.eps, true);
+            }
+            None => s.x.copy_from_slice(&s.partial),
+        }
+        let fnorm = w
+            .global
+            .small(TensorRole::FinalNorm)
+            .ok_or(ExecError::MissingTensor {
+                layer: spec.n_layers,
+                role: TensorRole::FinalNorm,
+            })?;
+        let n = widen(fnorm, &mut s.w_a);
+        ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
+        // out.logits
+        w.global.lm_head(&self.pool, &s.xn, logits)?;
+        state.n_pos += 1;
+        Ok(())
+    }
+
+    /// x = AttnRes(blocks ∪ {partial}) with the pseudo-query `norm ⊙ proj` folded in f32.
+    fn attn_res(
+        s: &mut Scratch,
+        proj: TensorBytes<'_>,
+        norm: TensorBytes<'_>,
+        eps: f32,
+        with_partial: bool,
+    ) {
+        let d = s.x.len();
+        widen(proj, &mut s.w_a);
+        widen(norm, &mut s.w_b);
+        for i in 0..d {
+            s.res_query[i] = s.w_a[i] * s.w_b[i];
+        }
+        let mut sources: Vec<&[f32]> = s.blocks.iter().map(|b| b.as_slice()).collect();
+        if with_partial && s.has_partial {
+            sources.push(&s.partial);
+        }
+        let n = sources.len();
+        attnres::attnres_mix(
+            &sources,
+            &s.res_query,
+            eps,
+            &mut s.res_logits[..n],
+            &mut s.x,
+        );
+    }
+
+    /// Kimi Delta Attention for one token: `s.xn` in, `s.attn_out` out.
+    fn kda(
+        spec: &ModelSpec,
+        pool: &Pool,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+        st: &mut KdaState,
+    ) -> Result<(), ExecError> {
+        let p = spec
+            .kda
+            .as_ref()
+            .expect("validated: KDA layers have a KdaSpec");
+        let (h, dk, ck) = (p.n_heads, p.head_dim, p.conv_kernel);
+        let ch = h * dk;
+        // projections [H*D]
+        lin(pool, need(lw, l, TensorRole::KdaQ)?, &s.xn, &mut s.q[..ch]);
+        lin(pool, need(lw, l, TensorRole::KdaK)?, &s.xn, &mut s.k[..ch]);
+        lin(pool, need(lw, l, TensorRole::KdaV)?, &s.xn, &mut s.v[..ch]);
+        // causal depthwise short conv + SiLU (taps [ch, 1, ck] F32)
+        let n = widen(need(lw, l, TensorRole::KdaQConv)?, &mut s.w_a);
+        kda::conv_step(&mut st.conv_q, &s.q[..ch], &s.w_a[..n], ck, &mut s.qc[..ch]);
+        let n = widen(need(lw, l, TensorRole::KdaKConv)?, &mut s.w_a);
+        kda::conv_step(&mut st.conv_k, &s.k[..ch], &s.w_a[..n], ck, &mut s.kc[..ch]);
+        let n = widen(need(lw, l, TensorRole::KdaVConv)?, &mut s.w_a);
+        kda::conv_step(&mut st.conv_v, &s.v[..ch], &s.w_a[..n], ck, &mut s.vc[..ch]);
+        // forget gate: graw = f_b(f_a x); g = gate(graw, A_log, dt_bias)
+        lin(
+            pool,
+            need(lw, l, TensorRole::KdaFA)?,
+            &s.xn,
+            &mut s.fa[..p.gate_rank],
+        );
+        lin(
+            pool,
+            need(lw, l, TensorRole::KdaFB)?,
+            &s.fa[..p.gate_rank],
+            &mut s.graw[..ch],
+        );
+        let na = widen(need(lw, l, TensorRole::KdaALog)?, &mut s.w_a);
+        let nb = widen(need(lw, l, TensorRole::KdaDtBias)?, &mut s.w_b);
+        let gate = match p.gate {
+            KdaGateSpec::LowerBound(lb) => kda::KdaGate::LowerBound(lb),
+            KdaGateSpec::Softplus => kda::KdaGate::Softplus,
+        };
+        // A_log: first n_heads entries (padding validated zero at load)
+        debug_assert!(na >= h);
+        kda::kda_gate(
+            &s.graw[..ch],
+            &s.w_a[..h],
+            &s.w_b[..nb],
+            dk,
+            gate,
+            &mut s.log_decay[..ch],
+        );
+        // beta = sigmoid(b_proj x) [H]
+        lin(
+            pool,
+            need(lw, l, TensorRole::KdaBeta)?,
+            &s.xn,
+            &mut s.beta[..h],
+        );
+        for b in s.beta[..h].iter_mut() {
+            *b = k3_kernels::math::sigmoid(*b);
+        }
+        // per-head L2 norm; q additionally scaled by head_dim^-1/2
+        ops::l2norm_heads(&mut s.qc[..ch], dk, p.l2_eps, 1.0 / (dk as f32).sqrt());
+        ops::l2norm_heads(&mut s.kc[..ch], dk, p.l2_eps, 1.0);
+        let step = kda::KdaStep {
+            q: &s.qc[..ch],
+            k: &s.kc[..ch],
+            v: &s.vc[..ch],
+            log_decay: &s.log_decay[..ch],
+            beta: &s.beta[..h],
+            n_heads: h,
+            head_dim_k: dk,
+            head_dim_v: dk,
+        };
+        kda::kda_step(pool, &step, &mut st.s, &mut s.o[..ch]);
+        // output gate + gated RMSNorm per head: o * rms_inv(o) * o_norm * sigmoid(g)
+        if p.full_rank_output_gate {
+            lin(
+                pool,
+                need(lw, l, TensorRole::KdaGate)?,
+                &s.xn,
+                &mut s.gout[..ch],
+            );
+        } else {
+            lin(
+                pool,
+                need(lw, l, TensorRole::KdaGateA)?,
+                &s.xn,
+                &mut s.fa[..dk],
+            );
+            lin(
+                pool,
+                need(lw, l, TensorRole::KdaGateB)?,
+                &s.fa[..dk],
+                &mut s.gout[..ch],
+            );
+        }
+        let n = widen(need(lw, l, TensorRole::KdaONorm)?, &mut s.w_a);
+        for hh in 0..h {
+            let r = hh * dk..(hh + 1) * dk;
+            ops::rmsnorm(
+                &s.o[r.clone()],
+                Some(&s.w_a[..n]),
+                p.o_norm_eps,
+                &mut s.vc[r.clone()],
+            );
+            ops::mul_sigmoid_inplace(&mut s.vc[r.clone()], &s.gout[r]);
+        }
+        lin(
+            pool,
+            need(lw, l, TensorRole::KdaO)?,
+            &s.vc[..ch],
+            &mut s.attn_out,
+        );
+        Ok(())
+    }
+
+    /// Multi-head latent attention (NoPE) for one token at position `pos`.
+    fn mla(
+        spec: &ModelSpec,
+        pool: &Pool,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+        st: &mut MlaState,
+        pos: usize,
+    ) -> Result<(), ExecError> {
+        let p = spec
+            .mla
+            .as_ref()
+            .expect("validated: MLA layers have an MlaSpec");
+        let (h, dn, dr, dv) = (p.n_heads, p.d_nope, p.d_rope, p.d_v);
+        let dq = dn + dr;
+        // q = q_b(RMSNorm(q_a x)) or q_proj x  -> [H, nope+rope]
+        match p.q_lora_rank {
+            Some(r) => {
+                lin(pool, need(lw, l, TensorRole::MlaQA)?, &s.xn, &mut s.qa[..r]);
+                let n = widen(need(lw, l, TensorRole::MlaQANorm)?, &mut s.w_a);
+                ops::rmsnorm(
+                    &s.qa[..r],
+                    Some(&s.w_a[..n]),
+                    p.latent_norm_eps,
+                    &mut s.qan[..r],
+                );
+                lin(
+                    pool,
+                    need(lw, l, TensorRole::MlaQB)?,
+                    &s.qan[..r],
+                    &mut s.mq[..h * dq],
+                );
+            }
+            None => lin(
+                pool,
+                need(lw, l, TensorRole::MlaQ)?,
+                &s.xn,
+                &mut s.mq[..h * dq],
+            ),
+        }
+        // c = kv_a x -> [kv_lora | k_rope]
+        let kvl = p.kv_lora_rank;
+        lin(
+            pool,
+            need(lw, l, TensorRole::MlaKvA)?,
+            &s.xn,
+            &mut s.ckv[..kvl + dr],
+        );
+        let n = widen(need(lw, l, TensorRole::MlaKvANorm)?, &mut s.w_a);
+        ops::rmsnorm(
+            &s.ckv[..kvl],
+            Some(&s.w_a[..n]),
+            p.latent_norm_eps,
+            &mut s.ckvn[..kvl],
+        );
+        // kv = kv_b(norm(c_kv)) -> [H, nope | v]
+        lin(
+            pool,
+            need(lw, l, TensorRole::MlaKvB)?,
+            &s.ckvn[..kvl],
+            &mut s.kv[..h * (dn + dv)],
+        );
+        // append this position to the cache
+        debug_assert_eq!(st.k_rope.len(), pos * dr);
+        for hh in 0..h {
+            let base = hh * (dn + dv);
+            st.k_nope.extend_from_slice(&s.kv[base..base + dn]);
+        }
+        st.k_rope.extend_from_slice(&s.ckv[kvl..kvl + dr]);
+        for hh in 0..h {
+            let base = hh * (dn + dv) + dn;
+            st.v.extend_from_slice(&s.kv[base..base + dv]);
+        }
+        let n_pos = pos + 1;
+        let shape = attn::MlaShape {
+            n_heads: h,
+            d_nope: dn,
+            d_rope: dr,
+            d_v: dv,
+            n_pos,
+            scale: 1.0 / (dq as f32).sqrt(),
+        };
+        attn::mla_attend(
+            pool,
+            &shape,
+            &s.mq[..h * dq],
+            &st.k_nope,
+            &st.k_rope,
+            &st.v,
+            &mut s.scores[..h * n_pos],
+            &mut s.mo[..h * dv],
+        );
+        if p.output_gate {
+            lin(
+                pool,
+                need(lw, l, TensorRole::MlaGate)?,
+                &s.xn,
+                &mut s.mg[..h * dv],
+            );
+            ops::mul_sigmoid_inplace(&mut s.mo[..h * dv], &s.mg[..h * dv]);
+        }
+        lin(
+            pool,
+            need(lw, l, TensorRole::MlaO)?,
+            &s.mo[..h * dv],
+            &mut s.attn_out,
+        );
+        Ok(())
+    }
+
+    /// Dense gated MLP (layer 0 of K3): `s.xn` in, `s.mlp_out` out.
+    fn dense(
+        spec: &ModelSpec,
+        pool: &Pool,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+    ) -> Result<(), ExecError> {
+        let ff = spec
+            .dense
+            .as_ref()
+            .expect("validated: dense layers have a DenseMlpSpec")
+            .d_ff;
+        lin(
+            pool,
+            need(lw, l, TensorRole::DenseGate)?,
+            &s.xn,
+            &mut s.ff_gate[..ff],
+        );
+        lin(
+            pool,
+            need(lw, l, TensorRole::DenseUp)?,
+            &s.xn,
+            &mut s.ff_up[..ff],
+        );
+        glu(
+            spec.activation,
+            &s.ff_gate[..ff],
+            &s.ff_up[..ff],
+            &mut s.ff_h[..ff],
+        );
+        lin(
+            pool,
+            need(lw, l, TensorRole::DenseDown)?,
+            &s.ff_h[..ff],
+            &mut s.mlp_out,
+        );
+        Ok(())
+    }
+
+    /// Latent MoE with shared experts: `s.xn` in, `s.mlp_out` out.
+    fn moe(
+        spec: &ModelSpec,
+        pool: &Pool,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+        experts: &mut dyn ExpertSource,
+    ) -> Result<(), ExecError> {
+        let p = spec
+            .moe
+            .as_ref()
+            .expect("validated: MoE layers have a MoeSpec");
+        let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
+        let dz = p.d_latent.unwrap_or(spec.d_model);
+        // router: logits = W_gate x (f32), selection with bias, weights from unbiased scores
+        lin(
+            pool,
+            need(lw, l, TensorRole::Router)?,
+            &s.xn,
+            &mut s.router_logits[..ne],
+        );
+        let cfg = router::RouterCfg {
+            top_k: k,
+            scoring: match p.scoring {
+                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
+                RouterScoring::Softmax => router::Scoring::Softmax,
+            },
+            renormalize: p.renormalize,
+            scale: p.routed_scaling_factor,
+        };
+        let bias = if p.has_score_bias {
+            let n = widen(need(lw, l, TensorRole::RouterBias)?, &mut s.w_a);
+            Some(&s.w_a[..n])
+        } else {
+            None
+        };
+        router::route(
+            &s.router_logits[..ne],
+            bias,
+            &cfg,
+            &mut s.ids[..k],
+            &mut s.weights[..k],
+        );
+        // latent down-projection z = W_down x  [latent]
+        let xin: &[f32] = if p.d_latent.is_some() {
+            lin(
+                pool,
+                need(lw, l, TensorRole::LatentDown)?,
+                &s.xn,
+                &mut s.z[..dz],
+            );
+            &s.z[..dz]
+        } else {
+            &s.xn
+        };
+        // routed experts, combined in ascending expert id (route() returns ids ascending)
+        s.acc[..dz].fill(0.0);
+        {
+            let ews: Vec<ExpertWeights<'_>> = experts.experts(l, &s.ids[..k])?;
+            for (j, ew) in ews.iter().enumerate() {
+                matvec::matvec_mxfp4(pool, ew.w1_packed, ew.w1_scale, xin, &mut s.ff_gate[..ff]);
+                matvec::matvec_mxfp4(pool, ew.w3_packed, ew.w3_scale, xin, &mut s.ff_up[..ff]);
+                glu(
+                    spec.activation,
+                    &s.ff_gate[..ff],
+                    &s.ff_up[..ff],
+                    &mut s.ff_h[..ff],
+                );
+                matvec::matvec_mxfp4(
+                    pool,
+                    ew.w2_packed,
+                    ew.w2_scale,
+                    &s.ff_h[..ff],
+                    &mut s.e_out[..dz],
+                );
+                ops::axpy(&mut s.acc[..dz], s.weights[j], &s.e_out[..dz]);
+            }
+        }
+        // routed_expert_norm, then the latent up-projection
+        let routed: &[f32] = if p.latent_norm {
+            let n = widen(need(lw, l, TensorRole::LatentNorm)?, &mut s.w_a);
+            ops::rmsnorm(
+                &s.acc[..dz],
+                Some(&s.w_a[..n]),
+                spec.rms_norm_eps,
+                &mut s.accn[..dz],
+            );
+            &s.accn[..dz]
+        } else {
+            &s.acc[..dz]
+        };
+        if p.d_latent.is_some() {
+            lin(
+                pool,
+                need(lw, l, TensorRole::LatentUp)?,
+                routed,
+                &mut s.mlp_out,
+            );
+        } else {
+            s.mlp_out.copy_from_slice(routed);
+        }
+        // fused shared experts (width d_expert_ff * n_shared) on the same input
+        if p.n_shared_experts > 0 {
+            let sw = ff * p.n_shared_experts;
+            lin(
+                pool,
+                need(lw, l, TensorRole::SharedGate)?,
+                &s.xn,
+                &mut s.ff_gate[..sw],
+            );
+            lin(
+                pool,
+                need(lw, l, TensorRole::SharedUp)?,
+                &s.xn,
+                &mut s.ff_up[..sw],
+            );
+            glu(
+                spec.activation,
+                &s.ff_gate[..sw],
+                &s.ff_up[..sw],
+                &mut s.ff_h[..sw],
+            );
+            lin(
+                pool,
+                need(lw, l, TensorRole::SharedDown)?,
+                &s.ff_h[..sw],
+                &mut s.tmp_d,
+            );
+            ops::add_inplace(&mut s.mlp_out, &s.tmp_d);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! The generation driver: prompt in, greedy ids out, with the report and the `--out` JSON.
+//!
+//! Owns: the decode loop (incremental or full recompute), timing, the first-step logits, the
+//! run report. Must not: know where weights live (it receives [`Providers`]) or parse flags.
+
+use std::time::Instant;
+
+use k3_kernels::ops;
+use k3_models::spec::ModelSpec;
+
+use crate::exec::{ExecError, Executor, Providers, SeqState};
+
+/// How to generate.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    pub prompt_ids: Vec<u32>,
+    pub n_gen: usize,
+    /// Keep KV cache and recurrent state between tokens; otherwise every step recomputes the
+    /// whole prefix from a fresh state. Both give identical ids and logit bits.
+    pub incremental: bool,
+    pub stop_ids: Vec<u32>,
+}
+
+/// What one generation produced.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenResult {
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    /// f32 logits after the last prompt token (the first generated token's distribution).
+    #[serde(skip)]
+    pub first_logits: Vec<f32>,
+    /// FNV-1a 64 of the first-step logit bits (hex), for snapshots.
+    pub first_logits_hash: String,
+    /// Wall-clock seconds of the prompt (prefill) phase.
+    pub prefill_seconds: f64,
+    /// Wall-clock seconds until the first generated token was known.
+    pub first_token_seconds: f64,
+    /// Mean seconds per generated token after the first.
+    pub seconds_per_token: f64,
+    pub total_seconds: f64,
+    /// Set when the run stopped early (stop id, Ctrl-C).
+    pub stopped_by: Option<String>,
+}
+
+/// FNV-1a over the little-endian bits of a float slice.
+pub fn logits_hash(x: &[f32]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in x {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+/// Called after every generated token (for the per-token line); return false to stop early.
+pub type OnToken<'f> = dyn FnMut(usize, u32, f64) -> bool + 'f;
+
+/// Greedy generation.
+pub fn generate(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    req: &GenRequest,
+    on_token: &mut OnToken<'_>,
+) -> Result<GenResult, ExecError> {
+    let t0 = Instant::now();
+    let mut logits = vec![0.0f32; spec.vocab_size];
+    let mut state = SeqState::new(spec);
+    let mut res = GenResult {
+        prompt_ids: req.prompt_ids.clone(),
+        ..GenResult::default()
+    };
+    for &t in &req.prompt_ids {
+        exec.step(t, &mut state, w, &mut logits)?;
+    }
+    res.prefill_seconds = t0.elapsed().as_secs_f64();
+    res.first_logits = logits.clone();
+    res.first_logits_hash = logits_hash(&logits);
+    let mut decode_seconds = 0.0;
+    for i in 0..req.n_gen {
+        let next = ops::argmax(&logits) as u32;
+        res.generated_ids.push(next);
+        let now = t0.elapsed().as_secs_f64();
+        if i == 0 {
+            res.first_token_seconds = now;
+        }
+        let keep_going = on_token(i, next, now);
+        if req.stop_ids.contains(&next) {
+            res.stopped_by = Some(format!("stop id {next}"));
+            break;
+        }
+        if !keep_going {
+            res.stopped_by = Some("interrupted".into());
+            break;
+        }
+        if i + 1 == req.n_gen {
+            break;
+        }
+        let ts = Instant::now();
+        if req.incremental {
+            exec.step(next, &mut state, w, &mut logits)?;
+        } else {
+            // full recompute: a fresh state fed the whole prefix again
+            state = SeqState::new(spec);
+            let all: Vec<u32> = req
+                .prompt_ids
+                .iter()
+                .chain(res.generated_ids.iter())
+                .copied()
+                .collect();
+            for &t in &all {
+                exec.step(t, &mut state, w, &mut logits)?;
+            }
+        }
+        decode_seconds += ts.elapsed().as_secs_f64();
+    }
+    let n_decode = res.generated_ids.len().saturating_sub(1);
+    res.seconds_per_token = if n_decode > 0 {
+        decode_seconds / n_decode as f64
+    } else {
+        0.0
+    };
+    res.total_seconds = t0.elapsed().as_secs_f64();
+    Ok(res)
+}
+
+/// Teacher forcing: feed `ids` token by token and return the argmax after every position
+/// (and the logits if asked).
+pub fn teacher_forced(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    ids: &[u32],
+    keep_logits: bool,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>), ExecError> {
+    let mut logits = vec![0.0f32; spec.vocab_size];
+    let mut state = SeqState::new(spec);
+    let mut am = Vec::with_capacity(ids.len());
+    let mut all = Vec::new();
+    for &t in ids {
+        exec.step(t, &mut state, w, &mut logits)?;
+        am.push(ops::argmax(&logits) as u32);
+        if keep_logits {
+            all.push(logits.clone());
+        }
+    }
+    Ok((am, all))
+}
+
+/// Peak resident set size of this process, from getrusage (bytes).
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage only writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer to a rusage struct; RUSAGE_SELF is always valid.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    if rc != 0 {
+        return 0;
+    }
+    (ru.ru_maxrss as u64) * 1024
+}

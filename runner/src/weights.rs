@@ -1,0 +1,140 @@
+//! Weight providers: the seam between the executor and where the bytes live.
+//!
+//! Owns: the traits the executor calls to get a layer's dense-trunk tensors, a set of routed
+//! experts, and the global tensors (embedding rows, lm_head, final norms). Must not: compute.
+//!
+//! Implementations: resident (whole trunk in RAM / mmap), streamed trunk (pinned prefix + ring
+//! slots, O_DIRECT), expert cache (byte budget, pluggable eviction). The executor never knows
+//! which one it talks to, so output bits cannot depend on it (NUMERICS.md §1).
+
+use k3_models::spec::{TensorDecl, TensorRole};
+
+/// Errors a provider can return. Messages name the file and tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    #[error("I/O error reading {what} from {path}: {source}")]
+    Io {
+        what: String,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tensor {name}: {msg}")]
+    Invalid { name: String, msg: String },
+    #[error("routed expert {expert} of layer {layer} failed to load: {msg}")]
+    Expert {
+        layer: usize,
+        expert: usize,
+        msg: String,
+    },
+}
+
+/// The raw checkpoint bytes of one tensor, with its declaration.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorBytes<'a> {
+    pub decl: &'a TensorDecl,
+    pub bytes: &'a [u8],
+}
+
+/// One layer's dense-trunk tensors (everything but routed experts), looked up by role.
+#[derive(Debug, Default)]
+pub struct LayerWeights<'a> {
+    pub tensors: Vec<TensorBytes<'a>>,
+}
+
+impl<'a> LayerWeights<'a> {
+    /// The tensor with this role, if the layer has it.
+    pub fn get(&self, role: TensorRole) -> Option<TensorBytes<'a>> {
+        self.tensors.iter().copied().find(|t| t.decl.role == role)
+    }
+}
+
+/// One routed expert's MXFP4 tensors: packed nibbles and E8M0 scales of w1 (gate), w3 (up),
+/// w2 (down).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    pub expert: usize,
+    pub w1_packed: &'a [u8],
+    pub w1_scale: &'a [u8],
+    pub w3_packed: &'a [u8],
+    pub w3_scale: &'a [u8],
+    pub w2_packed: &'a [u8],
+    pub w2_scale: &'a [u8],
+}
+
+/// Counters a trunk provider reports (SYSTEM.md §3, §6).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct TrunkStats {
+    pub n_layers: usize,
+    pub pinned_layers: usize,
+    pub pinned_bytes: u64,
+    pub ring_slots: usize,
+    pub ring_slot_bytes: u64,
+    pub bytes_read: u64,
+    pub read_seconds: f64,
+    /// Seconds the executor waited for trunk bytes (the part of read time not overlapped).
+    pub wait_seconds: f64,
+    pub o_direct: bool,
+    pub reader_thread: bool,
+}
+
+/// Counters an expert provider reports (SYSTEM.md §4).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ExpertStats {
+    pub requests: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    /// Requests served from RAM that was resident before the token asked for them.
+    pub resident_hits: u64,
+    pub bytes_read: u64,
+    pub read_seconds: f64,
+    pub load_failures: u64,
+    pub budget_bytes: u64,
+}
+
+impl ExpertStats {
+    pub fn resident_hit_rate(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.resident_hits as f64 / self.requests as f64
+        }
+    }
+}
+
+/// Supplies each layer's dense-trunk tensors, in the cyclic order 0..n_layers every token.
+pub trait TrunkSource: Send {
+    /// Make layer `layer`'s trunk tensors available (blocking until they are) and return them.
+    /// The view is valid until the next call. Implementations may start reading the next
+    /// layer in the background.
+    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError>;
+    fn stats(&self) -> TrunkStats;
+}
+
+/// Supplies routed experts.
+pub trait ExpertSource: Send {
+    /// Called once per token before the forward pass (lets caches tell resident hits apart).
+    fn begin_token(&mut self) {}
+    /// Make the given experts of `layer` available (ids ascending, unique) and return them in
+    /// the same order. A failed load is an error; the caller decides (exit code 4).
+    fn experts(&mut self, layer: usize, ids: &[u32])
+    -> Result<Vec<ExpertWeights<'_>>, WeightError>;
+    fn stats(&self) -> ExpertStats;
+}
+
+/// Supplies the global tensors.
+pub trait GlobalSource: Send {
+    /// Write the f32 embedding row of `token` into `out` (exact widening of bf16).
+    fn embed_row(&mut self, token: u32, out: &mut [f32]) -> Result<(), WeightError>;
+    /// Compute `logits = lm_head · x` (rows = vocab) with the canonical matvec, in chunks if
+    /// streamed; the result bits must not depend on the chunking (rows are independent).
+    fn lm_head(
+        &mut self,
+        pool: &k3_kernels::par::Pool,
+        x: &[f32],
+        logits: &mut [f32],
+    ) -> Result<(), WeightError>;
+    /// A small global tensor (final norm, output AttnRes proj/norm) as raw bytes.
+    fn small(&self, role: TensorRole) -> Option<TensorBytes<'_>>;
+}

@@ -126,18 +126,44 @@ pub enum ActivationKind {
 
 /// An epsilon: a literal (an upstream code default that is not a config key) or the name
 /// of the config.json key it is read from.
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum EpsRaw {
     Value(f64),
     Key(EpsKey),
 }
 
 /// Config keys an epsilon may be read from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EpsKey {
-    #[serde(rename = "rms_norm_eps")]
     RmsNormEps,
+}
+
+impl<'de> Deserialize<'de> for EpsRaw {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<EpsRaw, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = EpsRaw;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a positive number or the config key \"rms_norm_eps\"")
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<EpsRaw, E> {
+                Ok(EpsRaw::Value(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<EpsRaw, E> {
+                Ok(EpsRaw::Value(v as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<EpsRaw, E> {
+                Ok(EpsRaw::Value(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<EpsRaw, E> {
+                match v {
+                    "rms_norm_eps" => Ok(EpsRaw::Key(EpsKey::RmsNormEps)),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `[attn_res]`: Block Attention Residuals. Absent = plain pre-norm residual stream.
@@ -358,42 +384,12 @@ pub fn parse_manifest(text: &str, file: &str) -> Result<RawManifest, SpecErrors>
         check_top(key, value, file, &mut errs);
     }
     if !errs.is_empty() {
-        return errs.finish(RawManifest::placeholder());
+        return Err(SpecErrors(errs.0));
     }
     // Every section checked on its own; the whole document now deserialises.
     match serde_path_to_error::deserialize::<_, RawManifest>(toml::Value::Table(table)) {
         Ok(m) => Ok(m),
         Err(e) => Err(SpecErrors(vec![serde_error(file, "", &e)])),
-    }
-}
-
-impl RawManifest {
-    /// Never returned to callers (only used to satisfy `Errors::finish` on the error path).
-    fn placeholder() -> RawManifest {
-        RawManifest {
-            schema_version: SCHEMA_VERSION,
-            name: String::new(),
-            family: String::new(),
-            description: None,
-            config: RawConfig {
-                text_config: String::new(),
-            },
-            pins: BTreeMap::new(),
-            layer_map: RawLayerMap {
-                kda_layers: LayerListKey::LinearAttnKdaLayers,
-                mla_layers: LayerListKey::LinearAttnFullAttnLayers,
-                index_base: 1,
-                ffn: FfnRule::FirstKDenseReplace,
-            },
-            activation: ActivationKind::Situ,
-            attn_res: None,
-            kda: None,
-            mla: None,
-            dense: None,
-            moe: None,
-            checkpoint: None,
-            tensors: BTreeMap::new(),
-        }
     }
 }
 
@@ -593,5 +589,20 @@ mod tests {
         );
         assert_eq!(struct_fields::<RawDense>(), Some(&[][..]));
         assert_eq!(struct_fields::<String>(), None);
+    }
+
+    #[test]
+    fn eps_is_a_number_or_the_config_key() {
+        let parse = |s: &str| {
+            let t: toml::Table = format!("x = {s}").parse().expect("toml");
+            EpsRaw::deserialize(t["x"].clone()).map_err(|e| e.to_string())
+        };
+        assert_eq!(parse("1e-6"), Ok(EpsRaw::Value(1e-6)));
+        assert_eq!(
+            parse("\"rms_norm_eps\""),
+            Ok(EpsRaw::Key(EpsKey::RmsNormEps))
+        );
+        let e = parse("\"rms_eps\"").expect_err("unknown key");
+        assert!(e.contains("rms_norm_eps"), "{e}");
     }
 }

@@ -695,3 +695,44 @@ impl ModelSpec {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn role_table_is_consistent() {
+        for (i, r) in TensorRole::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "ALL is in declaration order");
+            assert_eq!(TensorRole::from_key(r.key()), Some(*r));
+        }
+        let keys: std::collections::HashSet<&str> =
+            TensorRole::ALL.iter().map(|r| r.key()).collect();
+        assert_eq!(keys.len(), TensorRole::ALL.len(), "keys are unique");
+        assert_eq!(TensorRole::ExpertW2Scale.scope(), RoleScope::Expert);
+        assert_eq!(TensorRole::OutputResNorm.scope(), RoleScope::Global);
+        assert_eq!(TensorRole::LatentNorm.scope(), RoleScope::Layer);
+    }
+
+    #[test]
+    fn logical_params_count_mxfp4_at_logical_size() {
+        let d = |role, shape: Vec<usize>, dtype| TensorDecl {
+            name: String::new(),
+            role,
+            layer: Some(1),
+            expert: Some(0),
+            dtype,
+            shape,
+        };
+        // 64 x 64 logical weight: 64 x 32 packed bytes and 64 x 2 scale bytes.
+        assert_eq!(
+            d(TensorRole::ExpertW1Packed, vec![64, 32], DType::U8).logical_params(),
+            4096
+        );
+        assert_eq!(
+            d(TensorRole::ExpertW1Scale, vec![64, 2], DType::U8).logical_params(),
+            0
+        );
+        assert_eq!(d(TensorRole::KdaQ, vec![3, 5], DType::BF16).n_bytes(), 30);
+    }
+}

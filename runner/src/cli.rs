@@ -53,6 +53,8 @@ pub enum Command {
     Synth(crate::synth::SynthArgs),
     /// Print the execution plan for a checkpoint (layers, bytes, state, scratch).
     Plan(PlanCli),
+    /// Print exactly what the model will see for a transcript plus the generation prompt.
+    RenderChat(crate::chat::RenderChatArgs),
 }
 
 #[derive(Args, Debug)]
@@ -73,7 +75,7 @@ pub struct PlanCli {
     pub json: bool,
 }
 
-#[derive(Args, Debug, Default)]
+#[derive(Args, Debug, Default, Clone)]
 pub struct RunArgs {
     /// Checkpoint directory (config.json, safetensors shards + index).
     #[arg(required = true)]
@@ -81,6 +83,20 @@ pub struct RunArgs {
     /// Prompt token ids, comma-separated (no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
+    /// Prompt text (needs --tok); encoded as plain text (control-marker strings stay text).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Prompt file, raw bytes (must be UTF-8; needs --tok).
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json), e.g. the model directory.
+    #[arg(long)]
+    pub tok: Option<PathBuf>,
+    /// Maximum context (positions) to plan the KV cache for (default: prompt + --gen).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    #[command(flatten)]
+    pub chat: crate::chat::ChatArgs,
     /// Number of tokens to generate (max 4096).
     #[arg(long = "gen", default_value_t = 8)]
     pub n_gen: usize,
@@ -115,7 +131,7 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn usage(msg: impl Into<String>) -> Failure {
+    pub fn usage(msg: impl Into<String>) -> Failure {
         Failure {
             code: exit::USAGE,
             msg: msg.into(),
@@ -168,16 +184,47 @@ pub fn default_threads() -> usize {
     num_cpus::get_physical().min(avail).max(1)
 }
 
+/// The prompt ids from exactly one of --ids, --prompt (with --tok), --prompt-file (with --tok).
+pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
+    let given = [a.ids.is_some(), a.prompt.is_some(), a.prompt_file.is_some()];
+    if given.iter().filter(|&&g| g).count() != 1 {
+        return Err(Failure::usage(
+            "exactly one of --ids, --prompt, --prompt-file is required",
+        ));
+    }
+    if let Some(ids) = &a.ids {
+        return Ok(ids.clone());
+    }
+    let tok_dir = a
+        .tok
+        .as_deref()
+        .ok_or_else(|| Failure::usage("--prompt and --prompt-file need --tok DIR"))?;
+    let tok =
+        k3_text::tokenizer::Tokenizer::load(tok_dir).map_err(|e| Failure::usage(e.to_string()))?;
+    let ids = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => tok.encode_text(p),
+        (None, Some(f)) => {
+            let bytes = std::fs::read(f).map_err(|e| {
+                Failure::usage(format!("cannot read --prompt-file {}: {e}", f.display()))
+            })?;
+            tok.encode_bytes(&bytes, &f.display().to_string())
+        }
+        (None, None) => unreachable!("checked above: exactly one prompt source"),
+    };
+    ids.map_err(|e| Failure::usage(e.to_string()))
+}
+
 fn run_main(a: &RunArgs) -> Result<u8, Failure> {
+    if a.chat.chat {
+        return chat_main(a);
+    }
     let model_dir = a
         .model_dir
         .as_deref()
         .ok_or_else(|| Failure::usage("a model directory is required"))?;
-    let prompt = a.ids.clone().ok_or_else(|| {
-        Failure::usage("exactly one of --ids, --prompt, --prompt-file is required")
-    })?;
+    let prompt = prompt_ids(a)?;
     if prompt.is_empty() {
-        return Err(Failure::usage("--ids: the prompt is empty"));
+        return Err(Failure::usage("the prompt is empty"));
     }
     if a.n_gen > 4096 {
         return Err(Failure::usage(format!(
@@ -200,7 +247,10 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         msg: e.to_string(),
     })?;
     let threads = a.threads.unwrap_or_else(default_threads).max(1);
-    let positions = prompt.len() + a.n_gen;
+    let positions = a
+        .max_context
+        .unwrap_or(prompt.len() + a.n_gen)
+        .max(prompt.len() + a.n_gen);
     let plan = Plan::new(&spec, positions);
     eprintln!(
         "k3-run: {} ({} layers, d_model {}, vocab {}), {} threads, {} ISA",
@@ -321,6 +371,32 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     Ok(exit::OK)
 }
 
+/// `--chat`: load the model resident and hand it to the REPL.
+fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
+    let model_dir = a
+        .model_dir
+        .as_deref()
+        .ok_or_else(|| Failure::usage("a model directory is required"))?;
+    let spec = load_spec(model_dir, a.manifest.as_deref(), a.config.as_deref())?;
+    let ckpt = Checkpoint::open(model_dir, &spec).map_err(|e| Failure {
+        code: exit::FORWARD,
+        msg: e.to_string(),
+    })?;
+    let threads = a.threads.unwrap_or_else(default_threads).max(1);
+    let positions = a.max_context.unwrap_or(8192);
+    let bind = |e: WeightError| Failure {
+        code: exit::FORWARD,
+        msg: e.to_string(),
+    };
+    let mut providers = Providers {
+        trunk: Box::new(ResidentTrunk::new(&spec, &ckpt).map_err(bind)?),
+        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
+        global: Box::new(ResidentGlobal::new(&spec, &ckpt).map_err(bind)?),
+    };
+    let mut exec = Executor::new(&spec, Plan::new(&spec, positions), threads);
+    crate::chat::repl_main(&spec, &mut exec, &mut providers, a)
+}
+
 /// Write a file via a temporary name and rename, so a reader never sees half a file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp-k3run");
@@ -360,6 +436,7 @@ pub fn main() -> ExitCode {
             }
             Err(e) => Err(Failure::usage(e.to_string())),
         },
+        Some(Command::RenderChat(r)) => crate::chat::render_chat_main(r),
         None => run_main(&cli.run),
     };
     match r {

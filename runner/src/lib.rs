@@ -5,6 +5,7 @@
 //! the [`weights`] providers ([`resident`] or [`stream`]); [`run`] is the decode loop; [`cli`]
 //! is the `k3-run` command line.
 
+pub mod chat;
 pub mod checkpoint;
 pub mod cli;
 pub mod exec;

@@ -7,14 +7,19 @@
 //! uses the next expert, as real MoE decoding does), so the figures are DRAM-bound numbers.
 //!
 //! Environment: `K3_ISA` forces the path for the headline rows; `K3_BENCH_ALL_ISA=1` adds a
-//! row per available ISA; `K3_BENCH_REPS=n` sets the repetitions.
+//! row per available ISA and the per-token kernels table; `K3_BENCH_OPS_ONLY=1` prints only
+//! that table (every ISA); `K3_BENCH_REPS=n` sets the repetitions.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use k3_kernels::Pool;
+use k3_kernels::attn::{MlaCache, MlaShape, mla_attend_with};
 use k3_kernels::isa::{self, Isa};
+use k3_kernels::kda::{KdaStep, conv_step_with, kda_step_with};
 use k3_kernels::matvec::{matvec_bf16_with, matvec_mxfp4_with};
+use k3_kernels::ops::{rmsnorm_with, situ_glu_with, softmax_inplace_with};
+use k3_kernels::router::{RouterCfg, Scoring, route_with};
 
 const GIB: usize = 1 << 30;
 
@@ -166,6 +171,152 @@ fn bench_mxfp4(pool: &Pool, isa: Isa, rows: usize, cols: usize, reps: usize) -> 
     }
 }
 
+/// Median microseconds per call of `f`.
+fn time_us(reps: usize, mut f: impl FnMut()) -> f64 {
+    let mut times = Vec::new();
+    for rep in 0..=reps {
+        let t = Instant::now();
+        f();
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    median(times)
+}
+
+fn vals(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            (((i as u32).wrapping_mul(2_654_435_761) ^ seed) >> 8) as f32 / 8_388_608.0 * 2.0 - 1.0
+        })
+        .map(|v| v * scale)
+        .collect()
+}
+
+/// The other per-token hot loops at K3 shapes, per ISA (µs per call, 1 thread / all cores).
+fn bench_ops(isas: &[Isa], pools: [&Pool; 2], reps: usize) {
+    println!("\nper-token kernels at K3 shapes (median µs per call):");
+    println!(
+        "{:<52} {:>8} {:>10} {:>10}",
+        "kernel", "isa", "1 thread", "all cores"
+    );
+    let g = vals(33792, 1, 30.0);
+    let u = vals(33792, 2, 30.0);
+    let mut o = vec![0.0f32; 33792];
+    let x = vals(7168, 3, 3.0);
+    let w = vals(7168, 4, 1.0);
+    let mut sm = vals(4096, 5, 10.0);
+    let (h, dk, dv) = (96, 128, 128);
+    let q = vals(h * dk, 6, 0.1);
+    let k = vals(h * dk, 7, 0.1);
+    let v = vals(h * dv, 8, 1.0);
+    let gd: Vec<f32> = vals(h * dk, 9, 1.0)
+        .iter()
+        .map(|g| -2.5 * (g + 1.0))
+        .collect();
+    let beta = vec![0.5f32; h];
+    let mut state = vals(h * dk * dv, 10, 0.1);
+    let mut ko = vec![0.0f32; h * dv];
+    let n_pos = 1024;
+    let shape = MlaShape {
+        n_heads: 96,
+        d_nope: 128,
+        d_rope: 64,
+        d_v: 128,
+        n_pos,
+        scale: 0.072,
+    };
+    let mq = vals(96 * 192, 11, 1.0);
+    let kn = vals(n_pos * 96 * 128, 12, 1.0);
+    let kr = vals(n_pos * 64, 13, 1.0);
+    let mv = vals(n_pos * 96 * 128, 14, 1.0);
+    let cache = MlaCache {
+        k_nope: &kn,
+        k_rope: &kr,
+        v: &mv,
+    };
+    let mut sc = vec![0.0f32; 96 * n_pos];
+    let mut mo = vec![0.0f32; 96 * 128];
+    let logits = vals(896, 15, 3.0);
+    let bias = vals(896, 16, 0.3);
+    let rcfg = RouterCfg {
+        top_k: 16,
+        scoring: Scoring::Sigmoid,
+        renormalize: true,
+        scale: 1.0,
+    };
+    let (mut ids, mut rw) = ([0u32; 16], [0.0f32; 16]);
+    let cx = vals(12288, 17, 1.0);
+    let taps = vals(12288 * 4, 18, 0.5);
+    let mut hist = vals(12288 * 3, 19, 1.0);
+    let mut co = vec![0.0f32; 12288];
+    for &isa in isas {
+        let single =
+            |name: &str, t: f64| println!("{name:<52} {:>8} {t:>10.1} {:>10}", isa.name(), "-");
+        single(
+            "situ_glu 33792",
+            time_us(reps, || situ_glu_with(isa, &g, &u, 4.0, Some(25.0), &mut o)),
+        );
+        single(
+            "rmsnorm 7168",
+            time_us(reps, || {
+                rmsnorm_with(isa, &x, Some(&w), 1e-5, &mut o[..7168])
+            }),
+        );
+        single(
+            "softmax 4096",
+            time_us(reps, || softmax_inplace_with(isa, &mut sm)),
+        );
+        single(
+            "route 896 -> top 16",
+            time_us(reps, || {
+                route_with(isa, &logits, Some(&bias), &rcfg, &mut ids, &mut rw)
+            }),
+        );
+        single(
+            "conv_step 12288 x k4",
+            time_us(reps, || {
+                conv_step_with(isa, &mut hist, &cx, &taps, 4, &mut co)
+            }),
+        );
+        let t = pools.map(|p| {
+            time_us(reps, || {
+                let step = KdaStep {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    log_decay: &gd,
+                    beta: &beta,
+                    n_heads: h,
+                    head_dim_k: dk,
+                    head_dim_v: dv,
+                };
+                kda_step_with(isa, p, &step, &mut state, &mut ko)
+            })
+        });
+        println!(
+            "{:<52} {:>8} {:>10.1} {:>10.1}",
+            "kda_step 96 heads 128x128",
+            isa.name(),
+            t[0],
+            t[1]
+        );
+        let t = pools.map(|p| {
+            time_us(reps, || {
+                mla_attend_with(isa, p, &shape, &mq, &cache, &mut sc, &mut mo)
+            })
+        });
+        println!(
+            "{:<52} {:>8} {:>10.1} {:>10.1}",
+            "mla_attend 96 heads, 1024 positions",
+            isa.name(),
+            t[0],
+            t[1]
+        );
+    }
+    black_box((&o, &sm, &state, &ko, &mo, &ids, &rw, &co));
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is accepted and ignored.
     let reps: usize = std::env::var("K3_BENCH_REPS")
@@ -180,9 +331,19 @@ fn main() {
         isa::available()
     );
 
-    let buf: Vec<u64> = (0..GIB / 8).map(|i| i as u64 * 0x9E37_79B9).collect();
     let pool_all = Pool::new(n_all);
     let pool_one = Pool::new(1);
+    let isas = if all_isa {
+        isa::available()
+    } else {
+        vec![headline]
+    };
+    if std::env::var("K3_BENCH_OPS_ONLY").is_ok_and(|v| v == "1") {
+        bench_ops(&isa::available(), [&pool_one, &pool_all], reps);
+        return;
+    }
+
+    let buf: Vec<u64> = (0..GIB / 8).map(|i| i as u64 * 0x9E37_79B9).collect();
     let bw_all = read_bandwidth(&pool_all, &buf, reps);
     let bw_one = read_bandwidth(&pool_one, &buf, reps);
     drop(buf);
@@ -192,10 +353,6 @@ fn main() {
         bw_one / 1e9
     );
 
-    let mut isas = vec![headline];
-    if all_isa {
-        isas = isa::available();
-    }
     let mut rows = Vec::new();
     for &isa in &isas {
         for pool in [&pool_one, &pool_all] {
@@ -218,5 +375,8 @@ fn main() {
             r.weight_bytes_per_s / 1e9,
             100.0 * r.weight_bytes_per_s / bw_all
         );
+    }
+    if all_isa {
+        bench_ops(&isas, [&pool_one, &pool_all], reps);
     }
 }

@@ -36,7 +36,7 @@ pub struct MlaShape {
 /// Order per head `h`: `s[p] = (dot(q_nope, k_nope[p,h]) + dot(q_rope, k_rope[p])) * scale`
 /// (two canonical dots), then `softmax_inplace` order over `p`, then
 /// `out[d]` = column accumulation (`+0`, `fma(prob[p], v[p,h,d], acc)` for ascending `p`).
-/// Threads split heads: identical bits for any pool.
+/// Threads split heads (whole heads per task): identical bits for any pool.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attend(
     pool: &Pool,
@@ -115,26 +115,51 @@ pub fn mla_attend_with(
         out.fill(0.0);
         return;
     }
-    pool.for_each_chunk2(scores, n_pos, out, d_v, |h, sc, o| {
-        mla_head(isa, shape, h, &q[h * dq..(h + 1) * dq], cache, sc, o);
+    // Heads per task: whole heads only, so bits never depend on the split.
+    let hc = n_heads.div_ceil(pool.n_threads() * 2).max(1);
+    pool.for_each_chunk2(scores, hc * n_pos, out, hc * d_v, |t, sc, o| {
+        let heads = Heads {
+            h0: t * hc,
+            n: o.len() / d_v,
+        };
+        mla_heads(isa, shape, heads, q, cache, sc, o);
     });
 }
 
+/// A contiguous range of heads `h0..h0 + n`.
+#[derive(Clone, Copy)]
+struct Heads {
+    h0: usize,
+    n: usize,
+}
+
 multiversion! {
-    fn mla_head(shape: &MlaShape, h: usize, q: &[f32], cache: &MlaCache<'_>, sc: &mut [f32], o: &mut [f32]) {
-        let MlaShape { n_heads, d_nope, d_rope, d_v, scale, .. } = *shape;
-        let (qn, qr) = q.split_at(d_nope);
-        for (p, s) in sc.iter_mut().enumerate() {
-            let kn = &cache.k_nope[(p * n_heads + h) * d_nope..(p * n_heads + h + 1) * d_nope];
+    /// Heads `h0..h0+n`; `sc: [n, n_pos]`, `o: [n, d_v]`. Loops run position-outer so the
+    /// cache rows stream contiguously; each element's own order is the documented one.
+    fn mla_heads(shape: &MlaShape, heads: Heads, q: &[f32], cache: &MlaCache<'_>, sc: &mut [f32], o: &mut [f32]) {
+        let MlaShape { n_heads, d_nope, d_rope, d_v, n_pos, scale } = *shape;
+        let dq = d_nope + d_rope;
+        for p in 0..n_pos {
             let kr = &cache.k_rope[p * d_rope..(p + 1) * d_rope];
-            *s = (dot_ref(qn, kn) + dot_ref(qr, kr)) * scale;
+            for j in 0..heads.n {
+                let h = heads.h0 + j;
+                let (qn, qr) = q[h * dq..(h + 1) * dq].split_at(d_nope);
+                let kn = &cache.k_nope[(p * n_heads + h) * d_nope..(p * n_heads + h + 1) * d_nope];
+                sc[j * n_pos + p] = (dot_ref(qn, kn) + dot_ref(qr, kr)) * scale;
+            }
         }
-        softmax_body(sc);
+        for s in sc.chunks_exact_mut(n_pos) {
+            softmax_body(s);
+        }
         o.fill(0.0);
-        for (p, &prob) in sc.iter().enumerate() {
-            let vp = &cache.v[(p * n_heads + h) * d_v..(p * n_heads + h + 1) * d_v];
-            for (ov, &vv) in o.iter_mut().zip(vp) {
-                *ov = prob.mul_add(vv, *ov);
+        for p in 0..n_pos {
+            for j in 0..heads.n {
+                let h = heads.h0 + j;
+                let prob = sc[j * n_pos + p];
+                let vp = &cache.v[(p * n_heads + h) * d_v..(p * n_heads + h + 1) * d_v];
+                for (ov, &vv) in o[j * d_v..(j + 1) * d_v].iter_mut().zip(vp) {
+                    *ov = prob.mul_add(vv, *ov);
+                }
             }
         }
     }

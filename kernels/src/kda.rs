@@ -31,18 +31,23 @@ multiversion! {
         assert_eq!(taps.len(), c * kernel, "conv_step: taps must be [channels, kernel]");
         assert_eq!(history.len(), c * (kernel - 1), "conv_step: history must be [channels, kernel-1]");
         let hk = kernel - 1;
+        // pre-activation, then SiLU over the whole vector, then the history shift
         for ch in 0..c {
             let t = &taps[ch * kernel..(ch + 1) * kernel];
-            let h = &mut history[ch * hk..(ch + 1) * hk];
+            let h = &history[ch * hk..(ch + 1) * hk];
             let mut acc = 0.0f32;
             for (tj, &zj) in t.iter().zip(h.iter()) {
                 acc = tj.mul_add(zj, acc);
             }
-            acc = t[hk].mul_add(x[ch], acc);
-            out[ch] = silu(acc);
-            if hk > 0 {
+            out[ch] = t[hk].mul_add(x[ch], acc);
+        }
+        for o in out.iter_mut() {
+            *o = silu(*o);
+        }
+        if hk > 0 {
+            for (h, &xc) in history.chunks_exact_mut(hk).zip(x) {
                 h.copy_within(1.., 0);
-                h[hk - 1] = x[ch];
+                h[hk - 1] = xc;
             }
         }
     }

@@ -40,7 +40,8 @@ pub struct RouterCfg {
 /// 3. `w = s[id]` (unbiased); if `renormalize && top_k > 1`: `d = (sum of w in ascending id
 ///    order, sequential adds) + 1e-20`, `w = w / d`; finally `w = w * scale`.
 ///
-/// Single-threaded; no allocation. Panics if `top_k > n_experts` or on length mismatch.
+/// Single-threaded; no allocation (one pass, `ids`/`weights` hold the running top-k).
+/// Panics if `top_k > n_experts` or on length mismatch.
 pub fn route(
     logits: &[f32],
     bias: Option<&[f32]>,
@@ -90,6 +91,9 @@ multiversion! {
         let k = cfg.top_k;
         assert!(k <= n, "route: top_k = {k} exceeds n_experts = {n}");
         assert!(ids.len() == k && weights.len() == k, "route: ids and weights must be [top_k]");
+        if k == 0 {
+            return;
+        }
         if let Some(b) = bias {
             assert_eq!(b.len(), n, "route: bias must be [n_experts]");
         }
@@ -101,27 +105,24 @@ multiversion! {
                 None => s,
             }
         };
-        // k passes: each picks the best expert ranking strictly after the previous pick.
-        let mut prev: Option<(f32, usize)> = None;
-        for slot in ids.iter_mut() {
-            let mut best: Option<(f32, usize)> = None;
-            for e in 0..n {
-                let ke = key(e);
-                let after_prev = match prev {
-                    Some((kp, p)) => ranks_before(kp, p, ke, e),
-                    None => true,
-                };
-                let better = match best {
-                    Some((kb, b)) => ranks_before(ke, e, kb, b),
-                    None => true,
-                };
-                if after_prev && better {
-                    best = Some((ke, e));
-                }
+        // One pass keeping the best `m` experts sorted by rank in ids[..m] (keys in
+        // weights[..m]). Experts arrive in ascending id, so an equal key never displaces an
+        // earlier (lower) id: ties go to the lower id.
+        let mut m = 0;
+        for e in 0..n {
+            let ke = key(e);
+            if m == k && !ranks_before(ke, e, weights[k - 1], ids[k - 1] as usize) {
+                continue;
             }
-            let (kb, b) = best.expect("top_k <= n_experts, so an unpicked expert remains");
-            *slot = b as u32;
-            prev = Some((kb, b));
+            let mut pos = m.min(k - 1);
+            while pos > 0 && ranks_before(ke, e, weights[pos - 1], ids[pos - 1] as usize) {
+                weights[pos] = weights[pos - 1];
+                ids[pos] = ids[pos - 1];
+                pos -= 1;
+            }
+            weights[pos] = ke;
+            ids[pos] = e as u32;
+            m = (m + 1).min(k);
         }
         ids.sort_unstable();
         for (w, &id) in weights.iter_mut().zip(ids.iter()) {

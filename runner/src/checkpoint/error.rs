@@ -1,0 +1,222 @@
+//! Errors of the checkpoint reader.
+//!
+//! Owns: [`CheckpointError`], one variant per way a checkpoint directory can be bad. Every
+//! message names the file (shard, index or directory) and, where one exists, the tensor; a
+//! header that is not JSON at all has no tensor to name and says `header` instead. Must not:
+//! carry anything that needs the checkpoint to stay open (errors outlive it).
+
+use std::path::PathBuf;
+
+/// Why a checkpoint cannot be opened or a tensor cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The directory holds neither `model.safetensors.index.json` nor `model.safetensors`.
+    #[error(
+        "{}: no checkpoint: neither model.safetensors.index.json nor model.safetensors is present",
+        dir.display()
+    )]
+    NoCheckpoint { dir: PathBuf },
+
+    /// An operating-system error reading a file.
+    #[error("{}: cannot read ({what}): {source}", file.display())]
+    Io {
+        file: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// `model.safetensors.index.json` is not the expected JSON shape.
+    #[error("{}: invalid index: {msg}", file.display())]
+    IndexInvalid { file: PathBuf, msg: String },
+
+    /// The index maps tensors to a shard file that does not exist.
+    #[error(
+        "{}: shard file is missing; the index {} maps {n_tensors} tensor(s) to it, e.g. tensor {tensor}",
+        file.display(), index.display()
+    )]
+    MissingShard {
+        file: PathBuf,
+        index: PathBuf,
+        tensor: String,
+        n_tensors: usize,
+    },
+
+    /// The 8-byte header length is absurd: larger than the limit or than the file.
+    #[error(
+        "{}: header length {header_len} bytes is not sane (file is {file_len} bytes, limit {limit}); \
+         corrupted header or not a safetensors file",
+        file.display()
+    )]
+    HeaderLength {
+        file: PathBuf,
+        header_len: u64,
+        file_len: u64,
+        limit: u64,
+    },
+
+    /// The header bytes are not a JSON object (or not UTF-8).
+    #[error("{}: header (no tensor can be named) is not valid safetensors JSON: {msg}", file.display())]
+    HeaderJson { file: PathBuf, msg: String },
+
+    /// One header entry is malformed (dtype unknown, shape or data_offsets not integers, ...).
+    #[error("{}: header entry for tensor {tensor} is malformed: {msg}", file.display())]
+    HeaderEntry {
+        file: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+
+    /// A tensor's `data_offsets` span does not hold `dtype x shape` bytes.
+    #[error(
+        "{}: tensor {tensor}: data_offsets [{begin}, {end}) do not match its dtype and shape \
+         ({dtype} {shape:?} needs {expected_bytes} bytes)",
+        file.display()
+    )]
+    DataSize {
+        file: PathBuf,
+        tensor: String,
+        dtype: String,
+        shape: Vec<usize>,
+        begin: u64,
+        end: u64,
+        expected_bytes: u64,
+    },
+
+    /// A tensor's `data_offsets` point outside the file's data section (and the header's
+    /// offsets are not one contiguous run, so this is a corrupt offset, not a short file).
+    #[error(
+        "{}: tensor {tensor}: data_offsets [{begin}, {end}) are out of range: the data section \
+         holds {data_len} bytes",
+        file.display()
+    )]
+    OffsetsOutOfRange {
+        file: PathBuf,
+        tensor: String,
+        begin: u64,
+        end: u64,
+        data_len: u64,
+    },
+
+    /// Two tensors claim the same bytes.
+    #[error("{}: tensors {tensor} and {other} overlap in the data section", file.display())]
+    OffsetsOverlap {
+        file: PathBuf,
+        tensor: String,
+        other: String,
+    },
+
+    /// The file is shorter than its (self-consistent) header says: an interrupted download/copy.
+    #[error(
+        "{}: truncated shard: the header describes {expected_len} bytes but the file has \
+         {actual_len}; tensor {tensor} is cut off",
+        file.display()
+    )]
+    Truncated {
+        file: PathBuf,
+        tensor: String,
+        expected_len: u64,
+        actual_len: u64,
+    },
+
+    /// A shard holds a tensor the index does not map to it.
+    #[error(
+        "{}: tensor {tensor} is in this shard but the index {} does not map it here",
+        file.display(), index.display()
+    )]
+    NotInIndex {
+        file: PathBuf,
+        index: PathBuf,
+        tensor: String,
+    },
+
+    /// The index maps a tensor to a shard whose header does not contain it.
+    #[error(
+        "{}: tensor {tensor} is mapped to this shard by the index {} but the shard does not contain it",
+        file.display(), index.display()
+    )]
+    NotInShard {
+        file: PathBuf,
+        index: PathBuf,
+        tensor: String,
+    },
+
+    /// A tensor the model needs is absent from every shard.
+    #[error(
+        "{}: tensor {tensor} required by model {model} is missing ({more} more missing)",
+        file.display()
+    )]
+    MissingTensor {
+        file: PathBuf,
+        model: String,
+        tensor: String,
+        more: usize,
+    },
+
+    /// A tensor under the model's namespace that the model does not declare.
+    #[error(
+        "{}: unexpected tensor {tensor}: not part of model {model} ({more} more unexpected)",
+        file.display()
+    )]
+    UnexpectedTensor {
+        file: PathBuf,
+        model: String,
+        tensor: String,
+        more: usize,
+    },
+
+    /// Stored dtype differs from the declared one.
+    #[error("{}: tensor {tensor} has dtype {found}, the model declares {expected}", file.display())]
+    WrongDtype {
+        file: PathBuf,
+        tensor: String,
+        expected: String,
+        found: String,
+    },
+
+    /// Stored shape differs from the declared one.
+    #[error("{}: tensor {tensor} has shape {found:?}, the model declares {expected:?}", file.display())]
+    WrongShape {
+        file: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+
+    /// An E8M0 scale byte is 0xFF (NaN in OCP MX v1.0).
+    #[error(
+        "{}: tensor {tensor}: E8M0 scale byte 0xFF (NaN) at element {index}; rejected",
+        file.display()
+    )]
+    E8m0Nan {
+        file: PathBuf,
+        tensor: String,
+        index: usize,
+    },
+
+    /// A KDA `A_log` padding entry (index >= n_heads) is not zero.
+    #[error(
+        "{}: tensor {tensor}: A_log padding entry {index} (n_heads = {n_heads}) is {value}, must be 0",
+        file.display()
+    )]
+    ALogPadding {
+        file: PathBuf,
+        tensor: String,
+        index: usize,
+        n_heads: usize,
+        value: f32,
+    },
+
+    /// A range of tensors that must be contiguous in one shard is not.
+    #[error("{}: tensors {tensor} .. {other} are not one contiguous range: {msg}", file.display())]
+    NotContiguous {
+        file: PathBuf,
+        tensor: String,
+        other: String,
+        msg: String,
+    },
+
+    /// A tensor was requested that this checkpoint does not hold.
+    #[error("{}: tensor {tensor} is not in this checkpoint", file.display())]
+    UnknownTensor { file: PathBuf, tensor: String },
+}

@@ -1,0 +1,254 @@
+//! Safetensors shard headers, read without touching the tensor data.
+//!
+//! Owns: reading the 8-byte length and the JSON header of one shard with positional reads
+//! (`pread`), parsing it into [`ShardHeader`] and checking it against the file: header length
+//! sane, every entry well formed, every span of `data_offsets` holding exactly `dtype x shape`
+//! bytes, no overlaps, nothing past the end of the file. Must not: read tensor data, know about
+//! models.
+//!
+//! Follows upstream safetensors (format v0.8): little-endian u64 header length `n`, then `n`
+//! bytes of JSON `{name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {...}}`,
+//! offsets relative to byte `8 + n`; header limit 100,000,000 bytes (`MAX_HEADER_SIZE`). The
+//! JSON is parsed into our own struct (dtype as a string) rather than
+//! `safetensors::tensor::Metadata`, so an unknown dtype or a bad entry is reported with the
+//! tensor's name instead of failing the whole header anonymously.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::error::CheckpointError;
+
+/// Same limit as upstream safetensors `MAX_HEADER_SIZE`.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor entry of a shard header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeaderEntry {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Offsets relative to the start of the data section.
+    pub begin: u64,
+    pub end: u64,
+}
+
+/// A parsed and range-checked shard header.
+#[derive(Clone, Debug)]
+pub struct ShardHeader {
+    pub path: PathBuf,
+    pub file_len: u64,
+    /// Absolute file offset of the data section (`8 + n`).
+    pub data_start: u64,
+    /// Entries sorted by `begin` (file order).
+    pub entries: Vec<HeaderEntry>,
+}
+
+/// Bits per element of a safetensors dtype string (all dtypes of safetensors 0.8).
+pub fn dtype_bits(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ"
+        | "F8_E5M2FNUZ" => 8,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
+fn io_err(file: &Path, what: &'static str, source: std::io::Error) -> CheckpointError {
+    CheckpointError::Io {
+        file: file.to_path_buf(),
+        what,
+        source,
+    }
+}
+
+/// Read and check the header of the shard at `path`.
+pub fn read_shard_header(path: &Path) -> Result<ShardHeader, CheckpointError> {
+    let file = File::open(path).map_err(|e| io_err(path, "open shard", e))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| io_err(path, "stat shard", e))?
+        .len();
+    let limit = MAX_HEADER_BYTES;
+    let bad_len = |header_len| CheckpointError::HeaderLength {
+        file: path.to_path_buf(),
+        header_len,
+        file_len,
+        limit,
+    };
+    if file_len < 8 {
+        return Err(bad_len(0));
+    }
+    let mut len_bytes = [0u8; 8];
+    file.read_exact_at(&mut len_bytes, 0)
+        .map_err(|e| io_err(path, "read header length", e))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len < 2 || header_len > limit || header_len > file_len - 8 {
+        return Err(bad_len(header_len));
+    }
+    let n = usize::try_from(header_len).map_err(|_| bad_len(header_len))?;
+    let mut json = vec![0u8; n];
+    file.read_exact_at(&mut json, 8)
+        .map_err(|e| io_err(path, "read header", e))?;
+    let data_start = 8 + header_len;
+    let entries = parse_header_json(path, &json)?;
+    let header = ShardHeader {
+        path: path.to_path_buf(),
+        file_len,
+        data_start,
+        entries,
+    };
+    check_ranges(&header)?;
+    Ok(header)
+}
+
+/// Parse the JSON header into entries sorted by data offset.
+pub fn parse_header_json(path: &Path, json: &[u8]) -> Result<Vec<HeaderEntry>, CheckpointError> {
+    let json_err = |msg: String| CheckpointError::HeaderJson {
+        file: path.to_path_buf(),
+        msg,
+    };
+    let value: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| json_err(e.to_string()))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(json_err("top level is not a JSON object".into()));
+    };
+    let mut entries = Vec::with_capacity(map.len());
+    for (name, v) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        entries.push(parse_entry(path, name, &v)?);
+    }
+    entries.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
+    Ok(entries)
+}
+
+fn parse_entry(
+    path: &Path,
+    name: String,
+    v: &serde_json::Value,
+) -> Result<HeaderEntry, CheckpointError> {
+    let bad = |tensor: &str, msg: &str| CheckpointError::HeaderEntry {
+        file: path.to_path_buf(),
+        tensor: tensor.to_string(),
+        msg: msg.to_string(),
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad(&name, "entry is not an object"))?;
+    let dtype = obj
+        .get("dtype")
+        .and_then(|d| d.as_str())
+        .ok_or_else(|| bad(&name, "missing or non-string \"dtype\""))?
+        .to_string();
+    if dtype_bits(&dtype).is_none() {
+        return Err(bad(&name, &format!("unknown dtype {dtype:?}")));
+    }
+    let shape_v = obj
+        .get("shape")
+        .and_then(|s| s.as_array())
+        .ok_or_else(|| bad(&name, "missing or non-array \"shape\""))?;
+    let mut shape = Vec::with_capacity(shape_v.len());
+    for d in shape_v {
+        let d = d
+            .as_u64()
+            .and_then(|d| usize::try_from(d).ok())
+            .ok_or_else(|| bad(&name, "shape entry is not a non-negative integer"))?;
+        shape.push(d);
+    }
+    let offs = obj
+        .get("data_offsets")
+        .and_then(|s| s.as_array())
+        .ok_or_else(|| bad(&name, "missing or non-array \"data_offsets\""))?;
+    let (begin, end) = match offs.as_slice() {
+        [b, e] => (
+            b.as_u64()
+                .ok_or_else(|| bad(&name, "data_offsets[0] is not a u64"))?,
+            e.as_u64()
+                .ok_or_else(|| bad(&name, "data_offsets[1] is not a u64"))?,
+        ),
+        _ => return Err(bad(&name, "data_offsets must hold exactly two integers")),
+    };
+    Ok(HeaderEntry {
+        name,
+        dtype,
+        shape,
+        begin,
+        end,
+    })
+}
+
+/// Bytes `dtype x shape` occupies, `None` on overflow or a partial byte.
+pub fn expected_bytes(dtype: &str, shape: &[usize]) -> Option<u64> {
+    let bits = dtype_bits(dtype)?;
+    let mut n: u64 = 1;
+    for &d in shape {
+        n = n.checked_mul(u64::try_from(d).ok()?)?;
+    }
+    let total_bits = n.checked_mul(bits)?;
+    (total_bits % 8 == 0).then_some(total_bits / 8)
+}
+
+/// Every span holds `dtype x shape` bytes, no two spans overlap, and every span lies inside
+/// the data section. A self-consistent header (spans contiguous from 0) whose end lies past the
+/// end of the file is a truncated file; any other span past the end is a corrupt offset.
+fn check_ranges(h: &ShardHeader) -> Result<(), CheckpointError> {
+    let file = || h.path.clone();
+    let data_len = h.file_len - h.data_start;
+    for e in &h.entries {
+        let want = expected_bytes(&e.dtype, &e.shape);
+        if e.end < e.begin || want != Some(e.end - e.begin) {
+            return Err(CheckpointError::DataSize {
+                file: file(),
+                tensor: e.name.clone(),
+                dtype: e.dtype.clone(),
+                shape: e.shape.clone(),
+                begin: e.begin,
+                end: e.end,
+                expected_bytes: want.unwrap_or(u64::MAX),
+            });
+        }
+    }
+    let mut contiguous = true;
+    let mut prev: Option<&HeaderEntry> = None;
+    for e in &h.entries {
+        match prev {
+            None => contiguous &= e.begin == 0,
+            Some(p) => {
+                if e.begin < p.end {
+                    return Err(CheckpointError::OffsetsOverlap {
+                        file: file(),
+                        tensor: e.name.clone(),
+                        other: p.name.clone(),
+                    });
+                }
+                contiguous &= e.begin == p.end;
+            }
+        }
+        prev = Some(e);
+    }
+    let Some(past) = h.entries.iter().find(|e| e.end > data_len) else {
+        return Ok(());
+    };
+    if contiguous {
+        let declared_end = h.entries.last().map_or(0, |e| e.end);
+        return Err(CheckpointError::Truncated {
+            file: file(),
+            tensor: past.name.clone(),
+            expected_len: h.data_start + declared_end,
+            actual_len: h.file_len,
+        });
+    }
+    Err(CheckpointError::OffsetsOutOfRange {
+        file: file(),
+        tensor: past.name.clone(),
+        begin: past.begin,
+        end: past.end,
+        data_len,
+    })
+}

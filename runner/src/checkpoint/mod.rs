@@ -1,0 +1,627 @@
+//! Checkpoint directories laid out like the released Kimi K3: sharded safetensors plus
+//! `model.safetensors.index.json` (or a single `model.safetensors`).
+//!
+//! Owns: finding the shards, reading and checking every shard header *without reading tensor
+//! data*, checking the checkpoint against a [`ModelSpec`] (every declared tensor present with
+//! exactly its dtype and shape, nothing unexpected), the two payload checks the spec demands
+//! (E8M0 scale byte 0xFF is NaN and rejected; `A_log` padding entries must be 0), and access to
+//! tensor bytes through one read-only `mmap` per shard, plus absolute file locations for the
+//! O_DIRECT streaming reader and the trunk packer. Must not: decode weights beyond exact
+//! widening, decide what is resident, or panic on any file content.
+//!
+//! Follows upstream: the HF sharded-checkpoint convention (`weight_map` name -> shard file),
+//! safetensors 0.8 headers (see [`header`]), K3 names under `language_model.` (see
+//! `../shared/research/k3-architecture.md` §3) and NUMERICS.md §3 (A_log padding, E8M0 0xFF).
+//!
+//! Namespace rule: every tensor must be declared by the spec unless its name starts with one of
+//! the spec's `ignored_tensor_prefixes` (for K3 the manifest lists `vision_tower.` and
+//! `mm_projector.`: the MoonViT tower and projector a text-only engine does not use). Ignored
+//! tensors' headers are range-checked like any other, but they are not required, not bound
+//! and not reported as unexpected.
+//!
+//! When payload checks run: `A_log` padding is always checked at open (69 tiny tensors in K3).
+//! E8M0 scales are checked when they are read. A resident load reads them at open
+//! ([`OpenOptions::validate_expert_scales`], the default of [`Checkpoint::open`]); the
+//! streaming path opens with it off and calls [`check_e8m0`] on each expert it reads from disk
+//! (or [`Checkpoint::validate_expert_scales`] when it reads through the mmap).
+//!
+//! The mmaps assume the files are not modified while the checkpoint is open (a file truncated
+//! underneath a live mapping faults on access, as with every mmap reader).
+
+pub mod error;
+pub mod header;
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use k3_models::spec::{DType, ModelSpec, TensorDecl, TensorRole};
+use memmap2::Mmap;
+
+pub use error::CheckpointError;
+pub use header::{HeaderEntry, MAX_HEADER_BYTES, ShardHeader};
+
+/// File name of the shard index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// File name of an unsharded checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// Where one tensor's bytes live on disk (absolute file offsets).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorLocation {
+    pub shard_path: PathBuf,
+    pub file_offset: u64,
+    pub n_bytes: u64,
+}
+
+/// One open shard.
+#[derive(Debug)]
+pub struct Shard {
+    pub path: PathBuf,
+    pub file_len: u64,
+    /// Absolute offset of the data section.
+    pub data_start: u64,
+    mmap: Mmap,
+}
+
+/// Options of [`Checkpoint::open_with`].
+#[derive(Clone, Copy, Debug)]
+pub struct OpenOptions {
+    /// Read every routed-expert `weight_scale` tensor at open and reject 0xFF bytes. Right for
+    /// resident loads; the streaming path turns it off and checks each expert as it reads it.
+    pub validate_expert_scales: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            validate_expert_scales: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    shard: usize,
+    dtype: String,
+    shape: Vec<usize>,
+    /// Relative to the shard's data section.
+    begin: u64,
+    end: u64,
+}
+
+/// An opened, validated checkpoint.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    entries: HashMap<String, Entry>,
+    /// Names in file order (shard, offset).
+    order: Vec<String>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("n_shards", &self.shards.len())
+            .field("n_tensors", &self.order.len())
+            .finish()
+    }
+}
+
+fn io_err(file: &Path, what: &'static str, source: std::io::Error) -> CheckpointError {
+    CheckpointError::Io {
+        file: file.to_path_buf(),
+        what,
+        source,
+    }
+}
+
+/// The index: tensor name -> shard file name.
+fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+    let bad = |msg: String| CheckpointError::IndexInvalid {
+        file: index.to_path_buf(),
+        msg,
+    };
+    let text = std::fs::read(index).map_err(|e| io_err(index, "read index", e))?;
+    let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    let mut out = BTreeMap::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;
+        let plain = !file.is_empty()
+            && !file.contains('/')
+            && !file.contains('\\')
+            && file != "."
+            && file != "..";
+        if !plain {
+            return Err(bad(format!(
+                "weight_map[{name:?}] = {file:?} is not a plain file name in the checkpoint directory"
+            )));
+        }
+        out.insert(name.clone(), file.to_string());
+    }
+    Ok(out)
+}
+
+fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {
+    let file = File::open(&header.path).map_err(|e| io_err(&header.path, "open shard", e))?;
+    // SAFETY: the mapping is read-only and private to this process; the checkpoint contract
+    // (module doc) is that shard files are not modified while open. Every slice taken from it
+    // is bounds-checked against the length validated in `read_shard_header`.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io_err(&header.path, "mmap shard", e))?;
+    if (mmap.len() as u64) < header.file_len {
+        return Err(CheckpointError::Truncated {
+            file: header.path.clone(),
+            tensor: header
+                .entries
+                .last()
+                .map_or_else(String::new, |e| e.name.clone()),
+            expected_len: header.file_len,
+            actual_len: mmap.len() as u64,
+        });
+    }
+    Ok(mmap)
+}
+
+/// Reject any 0xFF byte in an E8M0 scale tensor read by the caller (streaming path).
+pub fn check_e8m0(file: &Path, tensor: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    match bytes.iter().position(|&b| b == 0xFF) {
+        None => Ok(()),
+        Some(index) => Err(CheckpointError::E8m0Nan {
+            file: file.to_path_buf(),
+            tensor: tensor.to_string(),
+            index,
+        }),
+    }
+}
+
+fn is_scale_role(role: TensorRole) -> bool {
+    matches!(
+        role,
+        TensorRole::ExpertW1Scale | TensorRole::ExpertW2Scale | TensorRole::ExpertW3Scale
+    )
+}
+
+fn is_ignored(spec: &ModelSpec, name: &str) -> bool {
+    spec.ignored_tensor_prefixes
+        .iter()
+        .any(|p| name.starts_with(p.as_str()))
+}
+
+impl Checkpoint {
+    /// Open `dir` for a resident load: headers, spec and `A_log` checks, and every expert
+    /// scale checked for 0xFF.
+    pub fn open(dir: &Path, spec: &ModelSpec) -> Result<Checkpoint, CheckpointError> {
+        Self::open_with(dir, spec, &OpenOptions::default())
+    }
+
+    /// Open `dir` with explicit options (see [`OpenOptions`]).
+    pub fn open_with(
+        dir: &Path,
+        spec: &ModelSpec,
+        opts: &OpenOptions,
+    ) -> Result<Checkpoint, CheckpointError> {
+        let ck = Self::open_unchecked(dir)?;
+        ck.check_against_spec(spec)?;
+        ck.check_a_log(spec)?;
+        if opts.validate_expert_scales {
+            for decl in spec.tensors.iter().filter(|d| is_scale_role(d.role)) {
+                ck.check_scale_decl(decl)?;
+            }
+        }
+        Ok(ck)
+    }
+
+    /// Open `dir` checking only the files (index, headers, ranges), not a model. For tools
+    /// that inspect a checkpoint before a spec exists.
+    pub fn open_unchecked(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+        let index_path = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let index = if index_path.is_file() {
+            Some(read_index(&index_path)?)
+        } else if single.is_file() {
+            None
+        } else {
+            return Err(CheckpointError::NoCheckpoint {
+                dir: dir.to_path_buf(),
+            });
+        };
+        // Shard file names in sorted order, each with the tensors the index maps to it.
+        let mut by_file: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+        match &index {
+            Some(map) => {
+                for (name, file) in map {
+                    by_file.entry(file.clone()).or_default().push(name);
+                }
+            }
+            None => {
+                by_file.insert(SINGLE_FILE.to_string(), Vec::new());
+            }
+        }
+        let mut shards = Vec::with_capacity(by_file.len());
+        let mut entries = HashMap::new();
+        let mut order = Vec::new();
+        // Every shard the index names must exist before any header is judged, so an index
+        // pointing at a missing file is reported as that, not as a mismatch elsewhere.
+        for (file_name, names) in &by_file {
+            let path = dir.join(file_name);
+            if !path.is_file() {
+                return Err(CheckpointError::MissingShard {
+                    file: path,
+                    index: index_path.clone(),
+                    tensor: names.first().map_or_else(String::new, |s| s.to_string()),
+                    n_tensors: names.len(),
+                });
+            }
+        }
+        for (file_name, names) in &by_file {
+            let path = dir.join(file_name);
+            let header = header::read_shard_header(&path)?;
+            if let Some(map) = &index {
+                cross_check_index(&header, &index_path, map, file_name, names)?;
+            }
+            let shard_idx = shards.len();
+            for e in &header.entries {
+                order.push(e.name.clone());
+                let prev = entries.insert(
+                    e.name.clone(),
+                    Entry {
+                        shard: shard_idx,
+                        dtype: e.dtype.clone(),
+                        shape: e.shape.clone(),
+                        begin: e.begin,
+                        end: e.end,
+                    },
+                );
+                if prev.is_some() {
+                    // Only reachable without an index (single file, where JSON keys are unique)
+                    // or with an index that maps one name to two files (impossible: a map).
+                    return Err(CheckpointError::NotInIndex {
+                        file: path.clone(),
+                        index: index_path.clone(),
+                        tensor: e.name.clone(),
+                    });
+                }
+            }
+            let mmap = map_shard(&header)?;
+            shards.push(Shard {
+                path,
+                file_len: header.file_len,
+                data_start: header.data_start,
+                mmap,
+            });
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            entries,
+            order,
+        })
+    }
+
+    fn index_or_dir(&self) -> PathBuf {
+        let idx = self.dir.join(INDEX_FILE);
+        if idx.is_file() {
+            idx
+        } else {
+            self.dir.join(SINGLE_FILE)
+        }
+    }
+
+    /// Every declared tensor present with its dtype and shape; nothing undeclared.
+    fn check_against_spec(&self, spec: &ModelSpec) -> Result<(), CheckpointError> {
+        let missing: Vec<&TensorDecl> = spec
+            .tensors
+            .iter()
+            .filter(|d| !self.entries.contains_key(&d.name))
+            .collect();
+        if let Some(first) = missing.first() {
+            return Err(CheckpointError::MissingTensor {
+                file: self.index_or_dir(),
+                model: spec.name.clone(),
+                tensor: first.name.clone(),
+                more: missing.len() - 1,
+            });
+        }
+        for d in &spec.tensors {
+            let e = &self.entries[&d.name];
+            let file = self.shards[e.shard].path.clone();
+            if e.dtype != d.dtype.as_str() {
+                return Err(CheckpointError::WrongDtype {
+                    file,
+                    tensor: d.name.clone(),
+                    expected: d.dtype.as_str().to_string(),
+                    found: e.dtype.clone(),
+                });
+            }
+            if e.shape != d.shape {
+                return Err(CheckpointError::WrongShape {
+                    file,
+                    tensor: d.name.clone(),
+                    expected: d.shape.clone(),
+                    found: e.shape.clone(),
+                });
+            }
+        }
+        let declared: std::collections::HashSet<&str> =
+            spec.tensors.iter().map(|d| d.name.as_str()).collect();
+        let unexpected: Vec<&String> = self
+            .order
+            .iter()
+            .filter(|n| !is_ignored(spec, n) && !declared.contains(n.as_str()))
+            .collect();
+        if let Some(first) = unexpected.first() {
+            return Err(CheckpointError::UnexpectedTensor {
+                file: self.shards[self.entries[*first].shard].path.clone(),
+                model: spec.name.clone(),
+                tensor: (*first).clone(),
+                more: unexpected.len() - 1,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_a_log(&self, spec: &ModelSpec) -> Result<(), CheckpointError> {
+        let Some(kda) = &spec.kda else {
+            return Ok(());
+        };
+        for d in spec
+            .tensors
+            .iter()
+            .filter(|d| d.role == TensorRole::KdaALog)
+        {
+            let vals = self.f32_vec(d);
+            if let Some((index, &value)) = vals
+                .iter()
+                .enumerate()
+                .skip(kda.n_heads)
+                .find(|(_, v)| **v != 0.0)
+            {
+                return Err(CheckpointError::ALogPadding {
+                    file: self.path_of(&d.name),
+                    tensor: d.name.clone(),
+                    index,
+                    n_heads: kda.n_heads,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_scale_decl(&self, decl: &TensorDecl) -> Result<(), CheckpointError> {
+        check_e8m0(&self.path_of(&decl.name), &decl.name, self.bytes(decl))
+    }
+
+    /// Check the three `weight_scale` tensors of one routed expert through the mmap.
+    pub fn validate_expert_scales(
+        &self,
+        spec: &ModelSpec,
+        layer: usize,
+        expert: usize,
+    ) -> Result<(), CheckpointError> {
+        for d in spec
+            .tensors
+            .iter()
+            .filter(|d| d.layer == Some(layer) && d.expert == Some(expert) && is_scale_role(d.role))
+        {
+            let bytes = self
+                .try_bytes(&d.name)
+                .ok_or_else(|| self.unknown(&d.name))?;
+            check_e8m0(&self.path_of(&d.name), &d.name, bytes)?;
+        }
+        Ok(())
+    }
+
+    fn unknown(&self, name: &str) -> CheckpointError {
+        CheckpointError::UnknownTensor {
+            file: self.index_or_dir(),
+            tensor: name.to_string(),
+        }
+    }
+
+    fn path_of(&self, name: &str) -> PathBuf {
+        self.entries.get(name).map_or_else(
+            || self.index_or_dir(),
+            |e| self.shards[e.shard].path.clone(),
+        )
+    }
+
+    /// The directory this checkpoint was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The shards, in file-name order.
+    pub fn shards(&self) -> &[Shard] {
+        &self.shards
+    }
+
+    /// Sum of the shard file sizes.
+    pub fn total_file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.file_len).sum()
+    }
+
+    /// Sum of all tensor payloads (what the index's `metadata.total_size` counts).
+    pub fn total_tensor_bytes(&self) -> u64 {
+        self.entries.values().map(|e| e.end - e.begin).sum()
+    }
+
+    /// Every tensor name, in file order (shard by shard, by offset).
+    pub fn tensor_names(&self) -> &[String] {
+        &self.order
+    }
+
+    /// Header facts of a tensor: (dtype string, shape).
+    pub fn info(&self, name: &str) -> Option<(&str, &[usize])> {
+        self.entries
+            .get(name)
+            .map(|e| (e.dtype.as_str(), e.shape.as_slice()))
+    }
+
+    /// The raw bytes of a tensor by name, `None` if the checkpoint does not hold it.
+    pub fn try_bytes(&self, name: &str) -> Option<&[u8]> {
+        let e = self.entries.get(name)?;
+        let s = &self.shards[e.shard];
+        let start = usize::try_from(s.data_start + e.begin).ok()?;
+        let end = usize::try_from(s.data_start + e.end).ok()?;
+        s.mmap.get(start..end)
+    }
+
+    /// The raw bytes of a declared tensor.
+    ///
+    /// Panics if `decl` is not in this checkpoint: [`Checkpoint::open`] verified every
+    /// declaration of the spec it was given, so this only happens for a foreign declaration.
+    pub fn bytes(&self, decl: &TensorDecl) -> &[u8] {
+        self.try_bytes(&decl.name)
+            .expect("invariant: open() verified every declared tensor is present and in range")
+    }
+
+    /// Absolute location of a tensor (for O_DIRECT readers and the trunk packer).
+    pub fn try_location(&self, name: &str) -> Option<TensorLocation> {
+        let e = self.entries.get(name)?;
+        let s = &self.shards[e.shard];
+        Some(TensorLocation {
+            shard_path: s.path.clone(),
+            file_offset: s.data_start + e.begin,
+            n_bytes: e.end - e.begin,
+        })
+    }
+
+    /// Absolute location of a declared tensor. Panics like [`Checkpoint::bytes`].
+    pub fn location(&self, decl: &TensorDecl) -> TensorLocation {
+        self.try_location(&decl.name)
+            .expect("invariant: open() verified every declared tensor is present")
+    }
+
+    /// The one contiguous byte range covering `decls` (in any order): all in one shard and no
+    /// hole between them. The trunk packer uses this per layer; the synth guarantees it.
+    pub fn contiguous_range(
+        &self,
+        decls: &[&TensorDecl],
+    ) -> Result<TensorLocation, CheckpointError> {
+        let mut es: Vec<(&str, &Entry)> = Vec::with_capacity(decls.len());
+        for d in decls {
+            let e = self
+                .entries
+                .get(&d.name)
+                .ok_or_else(|| self.unknown(&d.name))?;
+            es.push((&d.name, e));
+        }
+        es.sort_by_key(|(_, e)| (e.shard, e.begin, e.end));
+        let (Some(&(first_name, first)), Some(&(last_name, last))) = (es.first(), es.last()) else {
+            return Err(CheckpointError::NotContiguous {
+                file: self.index_or_dir(),
+                tensor: String::new(),
+                other: String::new(),
+                msg: "empty tensor list".into(),
+            });
+        };
+        let file = self.shards[first.shard].path.clone();
+        for w in es.windows(2) {
+            let ((an, a), (bn, b)) = (w[0], w[1]);
+            let msg = if a.shard != b.shard {
+                Some("they are in different shards".to_string())
+            } else if b.begin != a.end {
+                Some(format!(
+                    "hole of {} bytes between {an} and {bn}",
+                    b.begin.saturating_sub(a.end)
+                ))
+            } else {
+                None
+            };
+            if let Some(msg) = msg {
+                return Err(CheckpointError::NotContiguous {
+                    file,
+                    tensor: first_name.to_string(),
+                    other: last_name.to_string(),
+                    msg,
+                });
+            }
+        }
+        let s = &self.shards[first.shard];
+        Ok(TensorLocation {
+            shard_path: s.path.clone(),
+            file_offset: s.data_start + first.begin,
+            n_bytes: last.end - first.begin,
+        })
+    }
+
+    /// BF16 bit patterns of a declared BF16 tensor; borrowed when the bytes are 2-aligned on
+    /// a little-endian host, copied otherwise. Panics if `decl` is not BF16 (programming error).
+    pub fn bf16_bits(&self, decl: &TensorDecl) -> Cow<'_, [u16]> {
+        assert_eq!(
+            decl.dtype,
+            DType::BF16,
+            "bf16_bits on non-BF16 tensor {}",
+            decl.name
+        );
+        let b = self.bytes(decl);
+        if cfg!(target_endian = "little")
+            && let Ok(s) = bytemuck::try_cast_slice::<u8, u16>(b)
+        {
+            return Cow::Borrowed(s);
+        }
+        Cow::Owned(
+            b.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        )
+    }
+
+    /// Values of a declared F32 tensor (always a copy; alignment does not matter).
+    /// Panics if `decl` is not F32 (programming error).
+    pub fn f32_vec(&self, decl: &TensorDecl) -> Vec<f32> {
+        assert_eq!(
+            decl.dtype,
+            DType::F32,
+            "f32_vec on non-F32 tensor {}",
+            decl.name
+        );
+        let b = self.bytes(decl);
+        if cfg!(target_endian = "little")
+            && let Ok(s) = bytemuck::try_cast_slice::<u8, f32>(b)
+        {
+            return s.to_vec();
+        }
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+/// The index and the shard header agree on which tensors live in this shard.
+fn cross_check_index(
+    header: &ShardHeader,
+    index_path: &Path,
+    map: &BTreeMap<String, String>,
+    file_name: &str,
+    names: &[&str],
+) -> Result<(), CheckpointError> {
+    for e in &header.entries {
+        if map.get(&e.name).map(String::as_str) != Some(file_name) {
+            return Err(CheckpointError::NotInIndex {
+                file: header.path.clone(),
+                index: index_path.to_path_buf(),
+                tensor: e.name.clone(),
+            });
+        }
+    }
+    let in_shard: std::collections::HashSet<&str> =
+        header.entries.iter().map(|e| e.name.as_str()).collect();
+    if let Some(n) = names.iter().find(|n| !in_shard.contains(**n)) {
+        return Err(CheckpointError::NotInShard {
+            file: header.path.clone(),
+            index: index_path.to_path_buf(),
+            tensor: n.to_string(),
+        });
+    }
+    Ok(())
+}

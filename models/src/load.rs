@@ -137,6 +137,17 @@ pub fn build_spec(
     };
     let mut spec = assemble(m, &dims, config, &cx, &mut errs);
     errs.check()?;
+    let n_moe = spec.layers_with_ffn(FfnKind::Moe).len();
+    let n_experts = spec.moe.as_ref().map_or(0, |x| x.n_experts);
+    let estimate = spec.n_layers * 64 + n_moe * n_experts * 6;
+    if estimate > MAX_TENSORS {
+        errs.push(err(
+            ErrorKind::Unsupported,
+            vec![cx.c("num_hidden_layers"), cx.c("num_experts")],
+            format!("about {estimate} tensors: more than the {MAX_TENSORS} k3-run accepts"),
+        ));
+    }
+    errs.check()?;
     let a_log = match m.kda.as_ref().map(|k| k.a_log_shape) {
         Some(ALogShape::Heads4d) => ALogLayout::Heads4d,
         _ => ALogLayout::Flat,
@@ -485,12 +496,31 @@ fn eps(e: EpsRaw, d: &ConfigDims) -> f32 {
     }
 }
 
+/// Largest dimension accepted from config.json (K3's largest is the vocabulary, 163,840).
+/// Bounds every shape product well inside `usize`, so no arithmetic on bad input overflows.
+pub const MAX_DIM: usize = 1 << 20;
+
+/// Largest tensor inventory accepted (K3: 497,052), so a bad config cannot exhaust memory.
+pub const MAX_TENSORS: usize = 1 << 24;
+
+/// A dimension: 1..=MAX_DIM.
 fn positive(v: usize, place: Place, what: &str, errs: &mut Errors) {
-    if v == 0 {
+    if v == 0 || v > MAX_DIM {
         errs.push(SpecError::new(
             ErrorKind::Invalid,
             place,
-            format!("{what} must be at least 1"),
+            format!("{what} = {v} must be in 1..={MAX_DIM}"),
+        ));
+    }
+}
+
+/// A dimension that may be 0: 0..=MAX_DIM.
+fn at_most(v: usize, place: Place, what: &str, errs: &mut Errors) {
+    if v > MAX_DIM {
+        errs.push(SpecError::new(
+            ErrorKind::Invalid,
+            place,
+            format!("{what} = {v} exceeds {MAX_DIM}"),
         ));
     }
 }
@@ -615,6 +645,9 @@ fn list_of(key: LayerListKey, d: &ConfigDims) -> &[usize] {
 
 fn layer_map(m: &RawManifest, d: &ConfigDims, cx: &Cx<'_>, errs: &mut Errors) -> Vec<LayerSpec> {
     let n = d.num_hidden_layers;
+    if n > MAX_DIM {
+        return Vec::new(); // reported by `assemble`; nothing sensible to map
+    }
     let lm = &m.layer_map;
     let base = lm.index_base;
     // attn[l]: Some(kind) once assigned.
@@ -638,7 +671,7 @@ fn layer_map(m: &RawManifest, d: &ConfigDims, cx: &Cx<'_>, errs: &mut Errors) ->
                 vec![cx.c(key.key()), cx.m("layer_map.index_base")],
                 format!(
                     "layer numbers {bad:?} are outside {base}..={} ({n} layers numbered from {base})",
-                    n + base - 1
+                    (n + base).saturating_sub(1)
                 ),
             ));
         }
@@ -844,6 +877,18 @@ fn mla_spec(
     );
     positive(c.kv_lora_rank, cx.c("kv_lora_rank"), "kv_lora_rank", errs);
     positive(c.v_head_dim, cx.c("v_head_dim"), "v_head_dim", errs);
+    at_most(
+        c.qk_nope_head_dim,
+        cx.c("qk_nope_head_dim"),
+        "qk_nope_head_dim",
+        errs,
+    );
+    at_most(
+        c.qk_rope_head_dim,
+        cx.c("qk_rope_head_dim"),
+        "qk_rope_head_dim",
+        errs,
+    );
     positive(
         c.qk_nope_head_dim + c.qk_rope_head_dim,
         cx.c("qk_nope_head_dim"),
@@ -863,11 +908,7 @@ fn mla_spec(
             cx.c("q_lora_rank"),
             "manifest says q_lora = true, config.json q_lora_rank is null",
         )),
-        (true, Some(0)) => errs.push(SpecError::new(
-            ErrorKind::Invalid,
-            cx.c("q_lora_rank"),
-            "must be at least 1 (or null for a direct q_proj)",
-        )),
+        (true, Some(r)) => positive(r, cx.c("q_lora_rank"), "q_lora_rank", errs),
         (false, Some(r)) => errs.push(SpecError::contradiction(
             cx.m("mla.q_lora"),
             cx.c("q_lora_rank"),
@@ -925,6 +966,12 @@ fn moe_spec(
         c.moe_intermediate_size,
         cx.c("moe_intermediate_size"),
         "moe_intermediate_size",
+        errs,
+    );
+    at_most(
+        c.num_shared_experts,
+        cx.c("num_shared_experts"),
+        "num_shared_experts",
         errs,
     );
     if c.num_experts_per_token == 0 || c.num_experts_per_token > c.num_experts {

@@ -604,18 +604,24 @@ impl ModelSpec {
 
     /// Total checkpoint bytes of every declared tensor.
     pub fn total_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.n_bytes() as u64).sum()
+        self.tensors
+            .iter()
+            .fold(0u64, |a, t| a.saturating_add(t.n_bytes() as u64))
     }
 
     /// Number of stored elements over every declared tensor (a U8 byte counts as one).
     pub fn stored_elements(&self) -> u64 {
-        self.tensors.iter().map(|t| t.n_elements() as u64).sum()
+        self.tensors
+            .iter()
+            .fold(0u64, |a, t| a.saturating_add(t.n_elements() as u64))
     }
 
     /// Logical parameter count: MXFP4 packed bytes count as two weights each, their E8M0
     /// scale bytes count as none (they are part of the encoding, not parameters).
     pub fn logical_params(&self) -> u64 {
-        self.tensors.iter().map(|t| t.logical_params() as u64).sum()
+        self.tensors
+            .iter()
+            .fold(0u64, |a, t| a.saturating_add(t.logical_params() as u64))
     }
 
     /// Number of declared tensors of a dtype.

@@ -510,3 +510,23 @@ fn missing_required_manifest_sections() {
         "mla.latent_norm_eps",
     );
 }
+
+#[test]
+fn absurd_sizes_are_errors_not_crashes() {
+    let mut c = config();
+    set(
+        &mut c,
+        "/text_config/num_hidden_layers",
+        Some(json!(1_000_000_000_000u64)),
+    );
+    set(&mut c, "/text_config/hidden_size", Some(json!(0)));
+    let e = errors(&manifest(), &c);
+    find(&e, ErrorKind::Invalid, "text_config.num_hidden_layers");
+    find(&e, ErrorKind::Invalid, "text_config.hidden_size");
+
+    // Each dimension in range, but the inventory would be billions of tensors.
+    let mut c = config();
+    set(&mut c, "/text_config/num_experts", Some(json!(1_000_000)));
+    let e = errors(&manifest(), &c);
+    find(&e, ErrorKind::Unsupported, "text_config.num_experts");
+}

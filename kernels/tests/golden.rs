@@ -73,15 +73,16 @@ fn math_cases(_isa: Isa) -> Cases {
         f32::INFINITY,
         f32::NEG_INFINITY,
     ];
-    for i in 0..200 {
+    for i in 0..200i32 {
         // log-spread magnitudes 2^-20 .. 2^12 of both signs, exact construction
-        let e = (i % 33) as i32 - 20;
+        let e = i % 33 - 20;
         let m = 1.0 + (r.next_u32() >> 9) as f32 / 8_388_608.0;
         let v = m * f32::from_bits(((e + 127) as u32) << 23);
         xs.push(if i % 2 == 0 { v } else { -v });
     }
     let mut c = Cases::new();
-    let fns: [(&str, fn(f32) -> f32); 7] = [
+    type MathFn = (&'static str, fn(f32) -> f32);
+    let fns: [MathFn; 7] = [
         ("exp", math::exp),
         ("tanh", math::tanh),
         ("sigmoid", math::sigmoid),

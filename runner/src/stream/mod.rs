@@ -12,9 +12,13 @@
 
 pub mod aligned;
 pub mod direct;
+pub mod experts;
+pub mod global;
 pub mod io_policy;
+pub mod pack;
 pub mod plan;
 pub mod presets;
+pub mod trunk;
 
 use std::path::Path;
 

@@ -1,0 +1,790 @@
+//! Routed experts from disk: the expert store (positional reads) and the expert cache.
+//!
+//! Owns: [`ExpertStore`] — where each routed expert's six tensors (w1/w3/w2 packed + E8M0
+//! scale) live in the shards, one positional read per contiguous run, a layer's misses issued
+//! together in disk-offset order on a small read pool, and the E8M0 0xFF check on every read
+//! (the error names the tensor); [`ExpertCache`] — the `ExpertSource` with a byte budget,
+//! slot states (empty / in flight / ready), a pluggable [`EvictionPolicy`] ([`Lru`] default)
+//! and the counters, including the TRUE resident hit rate (served from RAM that was resident
+//! before the token asked; [`ExpertSource::begin_token`] marks the boundary). A budget of 0
+//! caches nothing and serves each call from a scratch area.
+//! Must not: decode or zero anything: a failed read is returned as `WeightError::Expert` (the
+//! run finishes and exits 4), never replaced by zeros.
+//! Follows upstream: SYSTEM.md §4 and the seeds (expert LRU cache, true resident hit rate
+//! reported apart from raw hits).
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use k3_models::spec::{ModelSpec, TensorRole};
+
+use super::StreamError;
+use super::aligned::{AlignedBuf, IO_ALIGN, align_up};
+use super::direct::{DirectFile, ReadPool, ReadReq};
+use crate::checkpoint::Checkpoint;
+use crate::weights::{ExpertSource, ExpertStats, ExpertWeights, WeightError};
+
+/// (layer, expert).
+pub type ExpertKey = (usize, usize);
+
+/// The six tensors of one expert, in this order.
+pub const EXPERT_ROLES: [TensorRole; 6] = [
+    TensorRole::ExpertW1Packed,
+    TensorRole::ExpertW1Scale,
+    TensorRole::ExpertW3Packed,
+    TensorRole::ExpertW3Scale,
+    TensorRole::ExpertW2Packed,
+    TensorRole::ExpertW2Scale,
+];
+
+fn is_scale(i: usize) -> bool {
+    i % 2 == 1
+}
+
+/// Chooses which resident expert to evict. Implementations must be deterministic.
+pub trait EvictionPolicy: Send {
+    fn name(&self) -> &str;
+    /// A request was served from `slot`.
+    fn on_access(&mut self, key: ExpertKey, slot: usize);
+    /// `key` was loaded into `slot`.
+    fn on_insert(&mut self, key: ExpertKey, slot: usize);
+    /// `key` left `slot` (evicted or failed).
+    fn on_remove(&mut self, _key: ExpertKey, _slot: usize) {}
+    /// Pick the victim among `candidates` (resident, not needed by the current call; never
+    /// empty); returns an index into `candidates`.
+    fn choose_victim(&mut self, candidates: &[(ExpertKey, usize)]) -> usize;
+}
+
+/// Least recently used; ties (never touched) go to the lowest slot.
+#[derive(Debug, Default)]
+pub struct Lru {
+    clock: u64,
+    last_use: HashMap<usize, u64>,
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &str {
+        "lru"
+    }
+    fn on_access(&mut self, _key: ExpertKey, slot: usize) {
+        self.clock += 1;
+        self.last_use.insert(slot, self.clock);
+    }
+    fn on_insert(&mut self, key: ExpertKey, slot: usize) {
+        self.on_access(key, slot);
+    }
+    fn on_remove(&mut self, _key: ExpertKey, slot: usize) {
+        self.last_use.remove(&slot);
+    }
+    fn choose_victim(&mut self, candidates: &[(ExpertKey, usize)]) -> usize {
+        candidates
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, (_, slot))| (self.last_use.get(slot).copied().unwrap_or(0), *slot))
+            .map_or(0, |(i, _)| i)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct TensorLoc {
+    file: u16,
+    offset: u64,
+    len: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ExpertEntry {
+    /// Indices into `spec.tensors`, in [`EXPERT_ROLES`] order.
+    decl: [u32; 6],
+    loc: [TensorLoc; 6],
+}
+
+/// One positional read of an expert layout.
+#[derive(Clone, Copy, Debug)]
+struct RunRead {
+    file: u16,
+    offset: u64,
+    len: usize,
+    /// Where the rounded-out read lands in the expert buffer.
+    buf_off: usize,
+    buf_len: usize,
+}
+
+/// Where an expert's bytes go in its buffer.
+#[derive(Clone, Debug)]
+struct Layout {
+    runs: Vec<RunRead>,
+    /// (position, length) of each tensor in the buffer, [`EXPERT_ROLES`] order.
+    tensors: [(usize, usize); 6],
+}
+
+/// Reads routed experts from the checkpoint shards.
+pub struct ExpertStore<'c> {
+    spec: &'c ModelSpec,
+    files: Vec<DirectFile>,
+    entries: HashMap<ExpertKey, ExpertEntry>,
+    /// Buffer bytes one expert needs (max over experts).
+    expert_buf_bytes: usize,
+    /// Exact payload bytes of one expert (max over experts).
+    expert_bytes: u64,
+    pool: ReadPool,
+}
+
+impl std::fmt::Debug for ExpertStore<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertStore")
+            .field("experts", &self.entries.len())
+            .field("files", &self.files.len())
+            .field("expert_buf_bytes", &self.expert_buf_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> ExpertStore<'c> {
+    /// Index every routed expert of `spec` in `ckpt` and open the shards that hold them.
+    pub fn new(
+        spec: &'c ModelSpec,
+        ckpt: &Checkpoint,
+        o_direct: bool,
+        read_threads: usize,
+    ) -> Result<Self, StreamError> {
+        let mut partial: HashMap<ExpertKey, [Option<u32>; 6]> = HashMap::new();
+        for (i, d) in spec.tensors.iter().enumerate() {
+            let (Some(layer), Some(expert)) = (d.layer, d.expert) else {
+                continue;
+            };
+            let Some(slot) = EXPERT_ROLES.iter().position(|&r| r == d.role) else {
+                continue;
+            };
+            let idx = u32::try_from(i)
+                .map_err(|_| StreamError::Invalid("more than 2^32 tensors".to_string()))?;
+            partial.entry((layer, expert)).or_default()[slot] = Some(idx);
+        }
+        let mut files: Vec<DirectFile> = Vec::new();
+        let mut file_idx: HashMap<PathBuf, u16> = HashMap::new();
+        let mut entries = HashMap::with_capacity(partial.len());
+        // Deterministic file numbering: walk experts in key order.
+        let mut keys: Vec<ExpertKey> = partial.keys().copied().collect();
+        keys.sort_unstable();
+        for key in keys {
+            let p = partial[&key];
+            let mut decl = [0u32; 6];
+            let mut loc = [TensorLoc {
+                file: 0,
+                offset: 0,
+                len: 0,
+            }; 6];
+            for k in 0..6 {
+                let di = p[k].ok_or_else(|| {
+                    StreamError::Invalid(format!(
+                        "routed expert {} of layer {} declares no {:?} tensor",
+                        key.1, key.0, EXPERT_ROLES[k]
+                    ))
+                })?;
+                let d = &spec.tensors[di as usize];
+                let l = ckpt.try_location(&d.name).ok_or_else(|| {
+                    StreamError::Invalid(format!(
+                        "tensor {} is not in the checkpoint {}",
+                        d.name,
+                        ckpt.dir().display()
+                    ))
+                })?;
+                let f = match file_idx.get(&l.shard_path) {
+                    Some(&f) => f,
+                    None => {
+                        let f = u16::try_from(files.len()).map_err(|_| {
+                            StreamError::Invalid("more than 65536 shard files".to_string())
+                        })?;
+                        files.push(DirectFile::open(&l.shard_path, o_direct)?);
+                        file_idx.insert(l.shard_path.clone(), f);
+                        f
+                    }
+                };
+                decl[k] = di;
+                loc[k] = TensorLoc {
+                    file: f,
+                    offset: l.file_offset,
+                    len: l.n_bytes,
+                };
+            }
+            entries.insert(key, ExpertEntry { decl, loc });
+        }
+        let mut store = Self {
+            spec,
+            files,
+            entries,
+            expert_buf_bytes: 0,
+            expert_bytes: 0,
+            pool: ReadPool::new(read_threads)?,
+        };
+        let mut buf = 0usize;
+        let mut bytes = 0u64;
+        for e in store.entries.values() {
+            buf = buf.max(
+                store
+                    .layout(e)
+                    .runs
+                    .iter()
+                    .map(|r| r.buf_off + r.buf_len)
+                    .max()
+                    .unwrap_or(0),
+            );
+            bytes = bytes.max(e.loc.iter().map(|l| l.len).sum());
+        }
+        store.expert_buf_bytes = align_up(buf.max(1) as u64, IO_ALIGN as u64) as usize;
+        store.expert_bytes = bytes;
+        Ok(store)
+    }
+
+    /// Number of routed experts indexed.
+    pub fn n_experts(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Exact payload bytes of one expert (the largest).
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes
+    }
+
+    /// Buffer bytes one cached expert occupies (rounded-out reads, 4096-aligned).
+    pub fn expert_buf_bytes(&self) -> usize {
+        self.expert_buf_bytes
+    }
+
+    /// Whether every shard is read with O_DIRECT; otherwise the first fallback reason.
+    pub fn io_line(&self) -> String {
+        match self.files.iter().find_map(|f| f.fallback_reason()) {
+            None if !self.files.is_empty() => {
+                "expert reads use O_DIRECT (page cache bypassed)".to_string()
+            }
+            None => "no routed experts".to_string(),
+            Some(r) => format!("expert reads are buffered: {r}"),
+        }
+    }
+
+    /// Read queue depth.
+    pub fn read_threads(&self) -> usize {
+        self.pool.depth()
+    }
+
+    fn layout(&self, e: &ExpertEntry) -> Layout {
+        // Tensors in disk order; adjacent tensors of one file form one run.
+        let mut order: Vec<usize> = (0..6).collect();
+        order.sort_by_key(|&k| (e.loc[k].file, e.loc[k].offset));
+        let mut runs: Vec<(u16, u64, u64, Vec<usize>)> = Vec::new();
+        for k in order {
+            let l = e.loc[k];
+            match runs.last_mut() {
+                Some(r) if r.0 == l.file && r.1 + r.2 == l.offset => {
+                    r.2 += l.len;
+                    r.3.push(k);
+                }
+                _ => runs.push((l.file, l.offset, l.len, vec![k])),
+            }
+        }
+        let mut out = Vec::with_capacity(runs.len());
+        let mut tensors = [(0usize, 0usize); 6];
+        let mut pos = 0usize;
+        for (file, offset, len, members) in runs {
+            let span = self.files[file as usize].span(offset, len as usize);
+            for k in members {
+                let l = e.loc[k];
+                tensors[k] = (
+                    pos + span.lead + (l.offset - offset) as usize,
+                    l.len as usize,
+                );
+            }
+            out.push(RunRead {
+                file,
+                offset,
+                len: len as usize,
+                buf_off: pos,
+                buf_len: span.len,
+            });
+            pos = align_up((pos + span.len) as u64, IO_ALIGN as u64) as usize;
+        }
+        Layout { runs: out, tensors }
+    }
+
+    /// Read the given experts into their buffers: all runs issued together, sorted by
+    /// (file, offset), in parallel. Returns per expert `Ok(layout)` or the error message, and
+    /// the bytes read.
+    fn read_batch(
+        &self,
+        keys: &[ExpertKey],
+        bufs: Vec<&mut AlignedBuf>,
+    ) -> (Vec<Result<Layout, String>>, u64) {
+        let mut layouts: Vec<Result<Layout, String>> = Vec::with_capacity(keys.len());
+        let mut tagged: Vec<(usize, u16, u64, ReadReq<'_>)> = Vec::new();
+        let mut bytes = 0u64;
+        for (i, (key, buf)) in keys.iter().zip(bufs).enumerate() {
+            let Some(e) = self.entries.get(key) else {
+                layouts.push(Err(format!(
+                    "routed expert {} of layer {} is not declared by the model",
+                    key.1, key.0
+                )));
+                continue;
+            };
+            let lay = self.layout(e);
+            let mut rest: &mut [u8] = buf.full_mut();
+            let mut at = 0usize;
+            for r in &lay.runs {
+                let tail = std::mem::take(&mut rest);
+                let (_, tail) = tail.split_at_mut(r.buf_off - at);
+                let (mine, tail) = tail.split_at_mut(r.buf_len);
+                rest = tail;
+                at = r.buf_off + r.buf_len;
+                bytes += r.buf_len as u64;
+                tagged.push((
+                    i,
+                    r.file,
+                    r.offset,
+                    ReadReq {
+                        file: &self.files[r.file as usize],
+                        offset: r.offset,
+                        len: r.len,
+                        buf: mine,
+                    },
+                ));
+            }
+            layouts.push(Ok(lay));
+        }
+        tagged.sort_by_key(|t| (t.1, t.2));
+        let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
+            tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
+        let results = self.pool.read_all(&mut reqs);
+        for (i, r) in tags.into_iter().zip(results) {
+            if let Err(e) = r
+                && layouts[i].is_ok()
+            {
+                layouts[i] = Err(e.to_string());
+            }
+        }
+        (layouts, bytes)
+    }
+
+    /// The E8M0 check of one loaded expert: no scale byte may be 0xFF (NaN).
+    fn check_scales(&self, key: ExpertKey, lay: &Layout, buf: &[u8]) -> Result<(), String> {
+        let e = &self.entries[&key];
+        for (k, &(pos, len)) in lay.tensors.iter().enumerate() {
+            if !is_scale(k) {
+                continue;
+            }
+            if let Some(i) = buf[pos..pos + len].iter().position(|&b| b == 0xFF) {
+                let d = &self.spec.tensors[e.decl[k] as usize];
+                return Err(format!(
+                    "tensor {} in {}: E8M0 scale byte 0xFF (NaN) at index {i}",
+                    d.name,
+                    self.files[e.loc[k].file as usize].path().display()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Slot states of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    Empty,
+    InFlight,
+    Ready,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: SlotState,
+    key: Option<ExpertKey>,
+    buf: Option<AlignedBuf>,
+    tensors: [(usize, usize); 6],
+    loaded_token: u64,
+}
+
+/// Where one requested expert is served from during a call.
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    Slot(usize),
+    Scratch(usize),
+}
+
+/// Options of [`ExpertCache::new`].
+#[derive(Clone, Debug)]
+pub struct ExpertCacheOptions {
+    /// `--cache-gb` in bytes (0 = no caching).
+    pub budget_bytes: u64,
+    pub o_direct: bool,
+    /// Queue depth of expert reads.
+    pub read_threads: usize,
+}
+
+impl Default for ExpertCacheOptions {
+    fn default() -> Self {
+        Self {
+            budget_bytes: 0,
+            o_direct: true,
+            read_threads: 8,
+        }
+    }
+}
+
+/// The streamed `ExpertSource`: a byte-budgeted cache in front of an [`ExpertStore`].
+pub struct ExpertCache<'c> {
+    store: ExpertStore<'c>,
+    capacity: usize,
+    slots: Vec<Slot>,
+    map: HashMap<ExpertKey, usize>,
+    policy: Box<dyn EvictionPolicy + 'c>,
+    scratch: Vec<(AlignedBuf, [(usize, usize); 6])>,
+    token: u64,
+    stats: ExpertStats,
+    trace: Option<Vec<(u32, u32)>>,
+}
+
+impl std::fmt::Debug for ExpertCache<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertCache")
+            .field("capacity", &self.capacity)
+            .field("policy", &self.policy.name())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> ExpertCache<'c> {
+    pub fn new(
+        spec: &'c ModelSpec,
+        ckpt: &Checkpoint,
+        opts: &ExpertCacheOptions,
+    ) -> Result<Self, StreamError> {
+        let store = ExpertStore::new(spec, ckpt, opts.o_direct, opts.read_threads)?;
+        Ok(Self::with_store(store, opts.budget_bytes))
+    }
+
+    /// A cache over an existing store with an LRU policy.
+    pub fn with_store(store: ExpertStore<'c>, budget_bytes: u64) -> Self {
+        let per = store.expert_buf_bytes().max(1) as u64;
+        let capacity = usize::try_from(budget_bytes / per).unwrap_or(usize::MAX);
+        let capacity = capacity.min(store.n_experts());
+        Self {
+            store,
+            capacity,
+            slots: Vec::new(),
+            map: HashMap::new(),
+            policy: Box::new(Lru::default()),
+            scratch: Vec::new(),
+            token: 0,
+            stats: ExpertStats {
+                budget_bytes,
+                ..ExpertStats::default()
+            },
+            trace: None,
+        }
+    }
+
+    /// Replace the eviction policy (before the first request).
+    pub fn set_policy(&mut self, policy: Box<dyn EvictionPolicy + 'c>) {
+        self.policy = policy;
+    }
+
+    /// Experts the budget holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn store(&self) -> &ExpertStore<'c> {
+        &self.store
+    }
+
+    pub fn policy_name(&self) -> &str {
+        self.policy.name()
+    }
+
+    /// The state of every allocated slot (for tests and reports).
+    pub fn slot_states(&self) -> Vec<(SlotState, Option<ExpertKey>)> {
+        self.slots.iter().map(|s| (s.state, s.key)).collect()
+    }
+
+    /// Start recording every (layer, expert) request (`--dump-cache-trace`).
+    pub fn enable_trace(&mut self) {
+        self.trace.get_or_insert_with(Vec::new);
+    }
+
+    /// The recorded requests, in order.
+    pub fn trace(&self) -> Option<&[(u32, u32)]> {
+        self.trace.as_deref()
+    }
+
+    /// One line for the start-up report.
+    pub fn startup_line(&self) -> String {
+        format!(
+            "expert cache: {} budget = {} experts of {} ({} policy); {}; {} read threads",
+            super::fmt_bytes(self.stats.budget_bytes),
+            self.capacity,
+            super::fmt_bytes(self.store.expert_buf_bytes() as u64),
+            self.policy.name(),
+            self.store.io_line(),
+            self.store.read_threads()
+        )
+    }
+
+    /// The end-of-run summary lines (seed format).
+    pub fn report_lines(&self) -> Vec<String> {
+        let s = &self.stats;
+        let pct = |a: u64| {
+            if s.requests == 0 {
+                0.0
+            } else {
+                100.0 * a as f64 / s.requests as f64
+            }
+        };
+        vec![
+            format!(
+                "requests : {} hits {} ({:.2}%) misses {} evictions {}",
+                s.requests,
+                s.hits,
+                pct(s.hits),
+                s.misses,
+                s.evictions
+            ),
+            format!(
+                "TRUE resident hit rate {:.2}%",
+                100.0 * s.resident_hit_rate()
+            ),
+            format!(
+                "read {} in {:.2} s{}",
+                super::fmt_bytes(s.bytes_read),
+                s.read_seconds,
+                if s.load_failures > 0 {
+                    format!("; {} experts FAILED to load", s.load_failures)
+                } else {
+                    String::new()
+                }
+            ),
+        ]
+    }
+
+    /// Find a slot for a miss: an empty one, a new one within capacity, or a victim that the
+    /// current call does not use.
+    fn claim_slot(&mut self, protected: &HashSet<usize>) -> Option<usize> {
+        if let Some(i) = self.slots.iter().position(|s| s.state == SlotState::Empty) {
+            return Some(i);
+        }
+        if self.slots.len() < self.capacity {
+            self.slots.push(Slot {
+                state: SlotState::Empty,
+                key: None,
+                buf: None,
+                tensors: [(0, 0); 6],
+                loaded_token: 0,
+            });
+            return Some(self.slots.len() - 1);
+        }
+        let candidates: Vec<(ExpertKey, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.state == SlotState::Ready && !protected.contains(i))
+            .filter_map(|(i, s)| s.key.map(|k| (k, i)))
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let pick = self
+            .policy
+            .choose_victim(&candidates)
+            .min(candidates.len() - 1);
+        let (old, i) = candidates[pick];
+        self.map.remove(&old);
+        self.policy.on_remove(old, i);
+        self.stats.evictions += 1;
+        let s = &mut self.slots[i];
+        s.state = SlotState::Empty;
+        s.key = None;
+        Some(i)
+    }
+}
+
+impl ExpertSource for ExpertCache<'_> {
+    fn begin_token(&mut self) {
+        self.token += 1;
+    }
+
+    fn experts(
+        &mut self,
+        layer: usize,
+        ids: &[u32],
+    ) -> Result<Vec<ExpertWeights<'_>>, WeightError> {
+        if ids.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(WeightError::Invalid {
+                name: format!("routed experts of layer {layer}"),
+                msg: format!("ids must be ascending and unique, got {ids:?}"),
+            });
+        }
+        if let Some(t) = &mut self.trace {
+            t.extend(ids.iter().map(|&e| (layer as u32, e)));
+        }
+        self.stats.requests += ids.len() as u64;
+        let mut places: Vec<Option<Place>> = vec![None; ids.len()];
+        let mut protected: HashSet<usize> = HashSet::new();
+        // Hits first, so no victim is chosen among the experts this call needs.
+        for (i, &id) in ids.iter().enumerate() {
+            let key = (layer, id as usize);
+            if let Some(&s) = self.map.get(&key)
+                && self.slots[s].state == SlotState::Ready
+            {
+                places[i] = Some(Place::Slot(s));
+                protected.insert(s);
+                self.stats.hits += 1;
+                if self.slots[s].loaded_token < self.token {
+                    self.stats.resident_hits += 1;
+                }
+                self.policy.on_access(key, s);
+            }
+        }
+        // Misses: claim slots (or scratch), in ascending id order.
+        let mut miss_idx = Vec::new();
+        let mut n_scratch = 0usize;
+        for i in 0..ids.len() {
+            if places[i].is_some() {
+                continue;
+            }
+            miss_idx.push(i);
+            let key = (layer, ids[i] as usize);
+            match self.claim_slot(&protected) {
+                Some(s) => {
+                    protected.insert(s);
+                    let slot = &mut self.slots[s];
+                    slot.state = SlotState::InFlight;
+                    slot.key = Some(key);
+                    places[i] = Some(Place::Slot(s));
+                }
+                None => {
+                    places[i] = Some(Place::Scratch(n_scratch));
+                    n_scratch += 1;
+                }
+            }
+        }
+        self.stats.misses += miss_idx.len() as u64;
+        let mut first_err: Option<WeightError> = None;
+        if !miss_idx.is_empty() {
+            let need = self.store.expert_buf_bytes();
+            let alloc_err = |e: std::io::Error| WeightError::Invalid {
+                name: format!("routed experts of layer {layer}"),
+                msg: format!("cannot allocate an expert buffer of {need} bytes: {e}"),
+            };
+            while self.scratch.len() < n_scratch {
+                self.scratch
+                    .push((AlignedBuf::new(need).map_err(alloc_err)?, [(0, 0); 6]));
+            }
+            for &i in &miss_idx {
+                if let Some(Place::Slot(s)) = places[i]
+                    && self.slots[s].buf.is_none()
+                {
+                    self.slots[s].buf = Some(AlignedBuf::new(need).map_err(alloc_err)?);
+                }
+            }
+            // Borrow every miss buffer at once (slots and scratch are disjoint fields).
+            let keys: Vec<ExpertKey> = miss_idx.iter().map(|&i| (layer, ids[i] as usize)).collect();
+            let mut slot_bufs: HashMap<usize, &mut AlignedBuf> = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, s)| s.state == SlotState::InFlight)
+                .filter_map(|(i, s)| s.buf.as_mut().map(|b| (i, b)))
+                .collect();
+            let mut scratch_bufs: Vec<Option<&mut AlignedBuf>> =
+                self.scratch.iter_mut().map(|(b, _)| Some(b)).collect();
+            let mut bufs = Vec::with_capacity(miss_idx.len());
+            for &i in &miss_idx {
+                let b = match places[i] {
+                    Some(Place::Slot(s)) => slot_bufs.remove(&s),
+                    Some(Place::Scratch(k)) => scratch_bufs[k].take(),
+                    None => None,
+                };
+                bufs.push(b.ok_or_else(|| WeightError::Invalid {
+                    name: format!("routed experts of layer {layer}"),
+                    msg: "expert buffer bookkeeping broke (internal error)".to_string(),
+                })?);
+            }
+            let t0 = Instant::now();
+            let (layouts, bytes) = self.store.read_batch(&keys, bufs);
+            self.stats.read_seconds += t0.elapsed().as_secs_f64();
+            self.stats.bytes_read += bytes;
+            for ((&i, key), lay) in miss_idx.iter().zip(&keys).zip(layouts) {
+                let place = places[i].ok_or_else(|| WeightError::Invalid {
+                    name: format!("routed experts of layer {layer}"),
+                    msg: "unplaced miss (internal error)".to_string(),
+                })?;
+                let checked = lay.and_then(|lay| {
+                    let buf = match place {
+                        Place::Slot(s) => self.slots[s].buf.as_ref().map(|b| b.full()),
+                        Place::Scratch(k) => Some(self.scratch[k].0.full()),
+                    }
+                    .ok_or_else(|| "expert buffer missing (internal error)".to_string())?;
+                    self.store.check_scales(*key, &lay, buf)?;
+                    Ok(lay)
+                });
+                match (checked, place) {
+                    (Ok(lay), Place::Slot(s)) => {
+                        let slot = &mut self.slots[s];
+                        slot.state = SlotState::Ready;
+                        slot.tensors = lay.tensors;
+                        slot.loaded_token = self.token;
+                        self.map.insert(*key, s);
+                        self.policy.on_insert(*key, s);
+                    }
+                    (Ok(lay), Place::Scratch(k)) => self.scratch[k].1 = lay.tensors,
+                    (Err(msg), place) => {
+                        self.stats.load_failures += 1;
+                        if let Place::Slot(s) = place {
+                            let slot = &mut self.slots[s];
+                            slot.state = SlotState::Empty;
+                            slot.key = None;
+                        }
+                        if first_err.is_none() {
+                            first_err = Some(WeightError::Expert {
+                                layer,
+                                expert: key.1,
+                                msg,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let (buf, t) = match places[i] {
+                Some(Place::Slot(s)) => {
+                    let slot = &self.slots[s];
+                    (slot.buf.as_ref().map(|b| b.full()), slot.tensors)
+                }
+                Some(Place::Scratch(k)) => (Some(self.scratch[k].0.full()), self.scratch[k].1),
+                None => (None, [(0, 0); 6]),
+            };
+            let buf = buf.ok_or_else(|| WeightError::Invalid {
+                name: format!("routed expert {id} of layer {layer}"),
+                msg: "not resident after its read (internal error)".to_string(),
+            })?;
+            let part = |k: usize| &buf[t[k].0..t[k].0 + t[k].1];
+            out.push(ExpertWeights {
+                expert: id as usize,
+                w1_packed: part(0),
+                w1_scale: part(1),
+                w3_packed: part(2),
+                w3_scale: part(3),
+                w2_packed: part(4),
+                w2_scale: part(5),
+            });
+        }
+        Ok(out)
+    }
+
+    fn stats(&self) -> ExpertStats {
+        self.stats.clone()
+    }
+}

@@ -1,0 +1,592 @@
+//! `pack-trunk`: rewrite the dense trunk into one file, `trunk.bin`, plus `trunk.json`.
+//!
+//! Owns: the packed-trunk format (this module's [`TrunkManifest`]), verifying that each
+//! layer's non-expert tensors form one contiguous range inside one shard (a hole — e.g. expert
+//! bytes in between — is refused, naming the layer, the gap's offsets and what lies in it),
+//! one range copy per layer to a 4096-aligned offset, the progress bar, and atomic output
+//! (temporary names, renamed at the end; an interrupted pack leaves nothing that looks
+//! complete). Packing is deterministic: packing twice gives identical files.
+//! Must not: reorder or convert bytes (the trunk is the checkpoint's own bytes), or include
+//! global tensors (embedding, lm_head, final norm, output AttnRes): their checkpoint locations
+//! are recorded in `trunk.json` for reference only.
+//! Follows upstream: SYSTEM.md §2 and the Chinese seed article §2 (one range copy per layer,
+//! 4096-byte aligned so one O_DIRECT pread reads a whole layer; a hole would drag expert bytes
+//! in: 400 GB instead of 109).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use k3_models::spec::{ModelSpec, TensorDecl};
+
+use super::aligned::{IO_ALIGN, align_up};
+use super::{StreamError, fmt_bytes};
+use crate::checkpoint::{Checkpoint, OpenOptions};
+
+/// File names inside a packed-trunk directory.
+pub const TRUNK_BIN: &str = "trunk.bin";
+pub const TRUNK_JSON: &str = "trunk.json";
+const PARTIAL: &str = ".partial";
+/// Format tag and version written into `trunk.json`.
+pub const FORMAT: &str = "k3-trunk";
+pub const VERSION: u32 = 1;
+
+/// `trunk.json`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrunkManifest {
+    pub format: String,
+    pub version: u32,
+    /// The spec's model name.
+    pub model: String,
+    pub n_layers: usize,
+    /// Every layer offset is a multiple of this.
+    pub align: u64,
+    /// Sum of the layer sizes (exact, without padding).
+    pub packed_bytes: u64,
+    /// Length of trunk.bin (layers padded to `align`).
+    pub file_bytes: u64,
+    pub layers: Vec<PackedLayer>,
+    /// Where the global tensors live in the checkpoint (not in trunk.bin; informational).
+    pub globals: Vec<GlobalTensor>,
+}
+
+/// One layer's range in trunk.bin.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackedLayer {
+    pub layer: usize,
+    /// Offset in trunk.bin (multiple of `align`).
+    pub offset: u64,
+    /// Exact bytes of the layer's trunk tensors.
+    pub size: u64,
+    /// Shard file name the range was copied from, and its absolute offset there.
+    pub source_shard: String,
+    pub source_offset: u64,
+    /// In layer order of offsets.
+    pub tensors: Vec<PackedTensor>,
+}
+
+/// One tensor inside a packed layer.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackedTensor {
+    pub name: String,
+    /// `TensorRole` variant name.
+    pub role: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Offset inside the layer.
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// A global tensor's location in the checkpoint.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GlobalTensor {
+    pub name: String,
+    pub role: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    pub shard: String,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// What a pack did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PackReport {
+    pub trunk_bin: PathBuf,
+    pub trunk_json: PathBuf,
+    pub n_layers: usize,
+    pub packed_bytes: u64,
+    pub file_bytes: u64,
+    pub largest_layer: usize,
+    pub largest_layer_bytes: u64,
+    pub seconds: f64,
+}
+
+impl PackReport {
+    pub fn summary(&self) -> String {
+        format!(
+            "packed {} layers, {} ({} with alignment) into {} in {:.1} s; largest layer {} ({}) \
+             sets the minimum ring slot size",
+            self.n_layers,
+            fmt_bytes(self.packed_bytes),
+            fmt_bytes(self.file_bytes),
+            self.trunk_bin.display(),
+            self.seconds,
+            self.largest_layer,
+            fmt_bytes(self.largest_layer_bytes)
+        )
+    }
+}
+
+/// The trunk tensors of `layer`: every declaration of that layer that is not a routed expert.
+pub fn layer_trunk_decls(spec: &ModelSpec, layer: usize) -> Vec<&TensorDecl> {
+    spec.tensors
+        .iter()
+        .filter(|t| t.layer == Some(layer) && t.expert.is_none())
+        .collect()
+}
+
+fn role_name(d: &TensorDecl) -> String {
+    format!("{:?}", d.role)
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+struct LayerSource {
+    shard_path: PathBuf,
+    source_offset: u64,
+    size: u64,
+    tensors: Vec<PackedTensor>,
+}
+
+/// Locate and verify one layer's contiguous range.
+fn layer_source(
+    ck: &Checkpoint,
+    spec: &ModelSpec,
+    layer: usize,
+) -> Result<LayerSource, StreamError> {
+    let decls = layer_trunk_decls(spec, layer);
+    if decls.is_empty() {
+        return Err(StreamError::Pack(format!(
+            "layer {layer} declares no trunk tensors"
+        )));
+    }
+    let mut located = Vec::with_capacity(decls.len());
+    for d in decls {
+        let loc = ck.try_location(&d.name).ok_or_else(|| {
+            StreamError::Pack(format!(
+                "layer {layer}: tensor {} is not in the checkpoint {}",
+                d.name,
+                ck.dir().display()
+            ))
+        })?;
+        if loc.n_bytes != d.n_bytes() as u64 {
+            return Err(StreamError::Pack(format!(
+                "layer {layer}: tensor {} has {} bytes in {} but its declaration needs {}",
+                d.name,
+                loc.n_bytes,
+                loc.shard_path.display(),
+                d.n_bytes()
+            )));
+        }
+        located.push((d, loc));
+    }
+    located.sort_by(|a, b| {
+        (&a.1.shard_path, a.1.file_offset, &a.0.name).cmp(&(
+            &b.1.shard_path,
+            b.1.file_offset,
+            &b.0.name,
+        ))
+    });
+    let first = &located[0];
+    for w in located.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        if a.1.shard_path != b.1.shard_path {
+            return Err(StreamError::Pack(format!(
+                "layer {layer}: trunk tensors are split across shards ({} holds {}, {} holds {}); \
+                 a layer must be one contiguous range in one shard",
+                file_name(&a.1.shard_path),
+                a.0.name,
+                file_name(&b.1.shard_path),
+                b.0.name
+            )));
+        }
+        let a_end = a.1.file_offset + a.1.n_bytes;
+        if b.1.file_offset != a_end {
+            let inside = tensors_in_gap(ck, &a.1.shard_path, a_end, b.1.file_offset);
+            return Err(StreamError::Pack(format!(
+                "layer {layer}: the trunk range has a hole at bytes {}..{} of {} ({} bytes, \
+                 between {} and {}){}; copying it would drag non-trunk bytes into trunk.bin, so \
+                 the pack is refused",
+                a_end,
+                b.1.file_offset,
+                a.1.shard_path.display(),
+                b.1.file_offset.saturating_sub(a_end),
+                a.0.name,
+                b.0.name,
+                inside
+            )));
+        }
+    }
+    let source_offset = first.1.file_offset;
+    let tensors = located
+        .iter()
+        .map(|(d, loc)| PackedTensor {
+            name: d.name.clone(),
+            role: role_name(d),
+            dtype: d.dtype.as_str().to_string(),
+            shape: d.shape.clone(),
+            offset: loc.file_offset - source_offset,
+            size: loc.n_bytes,
+        })
+        .collect::<Vec<_>>();
+    let size = located
+        .last()
+        .map_or(0, |(_, l)| l.file_offset + l.n_bytes - source_offset);
+    Ok(LayerSource {
+        shard_path: first.1.shard_path.clone(),
+        source_offset,
+        size,
+        tensors,
+    })
+}
+
+/// Names of (up to three) tensors lying in a gap, for the refusal message.
+fn tensors_in_gap(ck: &Checkpoint, shard: &Path, begin: u64, end: u64) -> String {
+    let mut names: Vec<(u64, &str)> = ck
+        .tensor_names()
+        .iter()
+        .filter_map(|n| {
+            let l = ck.try_location(n)?;
+            (l.shard_path == shard && l.file_offset < end && l.file_offset + l.n_bytes > begin)
+                .then_some((l.file_offset, n.as_str()))
+        })
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return String::new();
+    }
+    let n = names.len();
+    let shown: Vec<&str> = names.iter().take(3).map(|x| x.1).collect();
+    format!(
+        "; the gap holds {n} other tensor(s), e.g. {}",
+        shown.join(", ")
+    )
+}
+
+/// Build the manifest (no file written yet): every layer verified before anything is copied.
+pub fn plan_pack(
+    ck: &Checkpoint,
+    spec: &ModelSpec,
+) -> Result<(TrunkManifest, Vec<PathBuf>), StreamError> {
+    let mut layers = Vec::with_capacity(spec.n_layers);
+    let mut sources = Vec::with_capacity(spec.n_layers);
+    let mut offset = 0u64;
+    for l in 0..spec.n_layers {
+        let s = layer_source(ck, spec, l)?;
+        layers.push(PackedLayer {
+            layer: l,
+            offset,
+            size: s.size,
+            source_shard: file_name(&s.shard_path),
+            source_offset: s.source_offset,
+            tensors: s.tensors,
+        });
+        offset = align_up(offset + s.size, IO_ALIGN as u64);
+        sources.push(s.shard_path);
+    }
+    let mut globals = Vec::new();
+    for d in spec.tensors.iter().filter(|t| t.layer.is_none()) {
+        if let Some(loc) = ck.try_location(&d.name) {
+            globals.push(GlobalTensor {
+                name: d.name.clone(),
+                role: role_name(d),
+                dtype: d.dtype.as_str().to_string(),
+                shape: d.shape.clone(),
+                shard: file_name(&loc.shard_path),
+                offset: loc.file_offset,
+                size: loc.n_bytes,
+            });
+        }
+    }
+    let m = TrunkManifest {
+        format: FORMAT.to_string(),
+        version: VERSION,
+        model: spec.name.clone(),
+        n_layers: spec.n_layers,
+        align: IO_ALIGN as u64,
+        packed_bytes: layers.iter().map(|l| l.size).sum(),
+        file_bytes: offset,
+        layers,
+        globals,
+    };
+    Ok((m, sources))
+}
+
+/// Pack the trunk of the checkpoint in `model_dir` into `out_dir/trunk.bin` + `trunk.json`.
+/// `progress` shows a progress bar on stderr (hidden anyway when stderr is not a terminal).
+pub fn pack_trunk(
+    model_dir: &Path,
+    spec: &ModelSpec,
+    out_dir: &Path,
+    progress: bool,
+) -> Result<PackReport, StreamError> {
+    let t0 = Instant::now();
+    let ck = Checkpoint::open_with(
+        model_dir,
+        spec,
+        &OpenOptions {
+            validate_expert_scales: false,
+        },
+    )
+    .map_err(|e| StreamError::Pack(e.to_string()))?;
+    let (manifest, sources) = plan_pack(&ck, spec)?;
+    drop(ck);
+
+    std::fs::create_dir_all(out_dir).map_err(|e| StreamError::io("create", out_dir, e))?;
+    let bin = out_dir.join(TRUNK_BIN);
+    let json = out_dir.join(TRUNK_JSON);
+    let bin_tmp = out_dir.join(format!("{TRUNK_BIN}{PARTIAL}"));
+    let json_tmp = out_dir.join(format!("{TRUNK_JSON}{PARTIAL}"));
+    for p in [&bin_tmp, &json_tmp] {
+        remove_if_exists(p)?;
+    }
+
+    let bar = if progress {
+        indicatif::ProgressBar::new(manifest.packed_bytes)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+
+    let out = File::create(&bin_tmp).map_err(|e| StreamError::io("create", &bin_tmp, e))?;
+    let mut shards: HashMap<PathBuf, File> = HashMap::new();
+    let mut chunk = vec![0u8; 8 << 20];
+    for (pl, src) in manifest.layers.iter().zip(&sources) {
+        bar.set_message(format!("layer {}", pl.layer));
+        if !shards.contains_key(src) {
+            let f = File::open(src).map_err(|e| StreamError::io("open", src, e))?;
+            shards.insert(src.clone(), f);
+        }
+        let f = &shards[src];
+        let mut done = 0u64;
+        while done < pl.size {
+            let n = ((pl.size - done) as usize).min(chunk.len());
+            f.read_exact_at(&mut chunk[..n], pl.source_offset + done)
+                .map_err(|e| StreamError::io("read", src, e))?;
+            out.write_all_at(&chunk[..n], pl.offset + done)
+                .map_err(|e| StreamError::io("write", &bin_tmp, e))?;
+            done += n as u64;
+            bar.inc(n as u64);
+        }
+    }
+    // Padding after the last layer, so every layer (and the file) ends on the alignment.
+    out.set_len(manifest.file_bytes)
+        .map_err(|e| StreamError::io("extend", &bin_tmp, e))?;
+    out.sync_all()
+        .map_err(|e| StreamError::io("sync", &bin_tmp, e))?;
+    drop(out);
+    bar.finish_and_clear();
+
+    let mut text = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| StreamError::Pack(format!("cannot serialise trunk.json: {e}")))?;
+    text.push('\n');
+    {
+        let mut f = File::create(&json_tmp).map_err(|e| StreamError::io("create", &json_tmp, e))?;
+        f.write_all(text.as_bytes())
+            .map_err(|e| StreamError::io("write", &json_tmp, e))?;
+        f.sync_all()
+            .map_err(|e| StreamError::io("sync", &json_tmp, e))?;
+    }
+    // trunk.json marks a complete pack: remove any old one first, move the data into place,
+    // then the manifest.
+    remove_if_exists(&json)?;
+    std::fs::rename(&bin_tmp, &bin).map_err(|e| StreamError::io("rename", &bin_tmp, e))?;
+    std::fs::rename(&json_tmp, &json).map_err(|e| StreamError::io("rename", &json_tmp, e))?;
+    if let Ok(d) = File::open(out_dir) {
+        let _ = d.sync_all();
+    }
+
+    let (largest_layer, largest_layer_bytes) = manifest
+        .layers
+        .iter()
+        .map(|l| (l.layer, l.size))
+        .max_by_key(|&(i, s)| (s, std::cmp::Reverse(i)))
+        .unwrap_or((0, 0));
+    Ok(PackReport {
+        trunk_bin: bin,
+        trunk_json: json,
+        n_layers: manifest.n_layers,
+        packed_bytes: manifest.packed_bytes,
+        file_bytes: manifest.file_bytes,
+        largest_layer,
+        largest_layer_bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn remove_if_exists(p: &Path) -> Result<(), StreamError> {
+    match std::fs::remove_file(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(StreamError::io("remove", p, e)),
+    }
+}
+
+/// The `k3-run pack-trunk MODEL_DIR OUT_DIR` command body: pack with a progress bar and print
+/// the summary line to stderr.
+pub fn run(model_dir: &Path, spec: &ModelSpec, out_dir: &Path) -> Result<PackReport, StreamError> {
+    eprintln!(
+        "pack-trunk: {} layers of {} from {} into {}",
+        spec.n_layers,
+        spec.name,
+        model_dir.display(),
+        out_dir.display()
+    );
+    let r = pack_trunk(model_dir, spec, out_dir, true)?;
+    eprintln!("pack-trunk: {}", r.summary());
+    Ok(r)
+}
+
+impl TrunkManifest {
+    /// Read `dir/trunk.json` and check it against `trunk.bin` and `spec`.
+    pub fn load(dir: &Path, spec: &ModelSpec) -> Result<Self, StreamError> {
+        let json = dir.join(TRUNK_JSON);
+        let text = std::fs::read(&json).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                StreamError::Trunk {
+                    path: dir.display().to_string(),
+                    msg: format!(
+                        "no {TRUNK_JSON}: not a packed trunk, or the pack did not finish (run \
+                         `k3-run pack-trunk MODEL_DIR {}`)",
+                        dir.display()
+                    ),
+                }
+            } else {
+                StreamError::io("read", &json, e)
+            }
+        })?;
+        let m: TrunkManifest = serde_json::from_slice(&text).map_err(|e| StreamError::Trunk {
+            path: json.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        let bin = dir.join(TRUNK_BIN);
+        let len = std::fs::metadata(&bin)
+            .map_err(|e| StreamError::io("stat", &bin, e))?
+            .len();
+        if len != m.file_bytes {
+            return Err(StreamError::Trunk {
+                path: bin.display().to_string(),
+                msg: format!(
+                    "is {len} bytes but {TRUNK_JSON} records {}; the pack is incomplete or \
+                     from another model: pack again",
+                    m.file_bytes
+                ),
+            });
+        }
+        m.validate(spec).map_err(|msg| StreamError::Trunk {
+            path: json.display().to_string(),
+            msg,
+        })?;
+        Ok(m)
+    }
+
+    /// Check the manifest against the spec: same layers, same tensors (name, role, dtype,
+    /// shape), aligned non-overlapping layer ranges inside the file.
+    pub fn validate(&self, spec: &ModelSpec) -> Result<(), String> {
+        if self.format != FORMAT || self.version != VERSION {
+            return Err(format!(
+                "format {:?} version {} is not {FORMAT:?} version {VERSION}",
+                self.format, self.version
+            ));
+        }
+        if self.n_layers != spec.n_layers || self.layers.len() != spec.n_layers {
+            return Err(format!(
+                "packed {} layers ({} entries) but the model {} has {}",
+                self.n_layers,
+                self.layers.len(),
+                spec.name,
+                spec.n_layers
+            ));
+        }
+        if self.align == 0
+            || !self.align.is_power_of_two()
+            || !self.align.is_multiple_of(IO_ALIGN as u64)
+        {
+            return Err(format!(
+                "align {} is not a multiple of {IO_ALIGN}",
+                self.align
+            ));
+        }
+        let mut end = 0u64;
+        for (i, pl) in self.layers.iter().enumerate() {
+            if pl.layer != i {
+                return Err(format!("entry {i} is for layer {}", pl.layer));
+            }
+            if !pl.offset.is_multiple_of(self.align) || pl.offset < end {
+                return Err(format!(
+                    "layer {i} at offset {} is not aligned to {} or overlaps the previous layer",
+                    pl.offset, self.align
+                ));
+            }
+            end = pl
+                .offset
+                .checked_add(pl.size)
+                .filter(|&e| e <= self.file_bytes)
+                .ok_or_else(|| {
+                    format!(
+                        "layer {i} ({}..+{}) runs past the end of trunk.bin ({} bytes)",
+                        pl.offset, pl.size, self.file_bytes
+                    )
+                })?;
+            let decls = layer_trunk_decls(spec, i);
+            if decls.len() != pl.tensors.len() {
+                return Err(format!(
+                    "layer {i} holds {} tensors but the model declares {}",
+                    pl.tensors.len(),
+                    decls.len()
+                ));
+            }
+            let mut tend = 0u64;
+            let mut seen = std::collections::HashSet::new();
+            for t in &pl.tensors {
+                if !seen.insert(t.name.as_str()) {
+                    return Err(format!("layer {i}: tensor {} is listed twice", t.name));
+                }
+                let d = decls.iter().find(|d| d.name == t.name).ok_or_else(|| {
+                    format!("layer {i}: tensor {} is not declared by the model", t.name)
+                })?;
+                if t.role != role_name(d)
+                    || t.dtype != d.dtype.as_str()
+                    || t.shape != d.shape
+                    || t.size != d.n_bytes() as u64
+                {
+                    return Err(format!(
+                        "layer {i}: tensor {} is {} {} {:?} ({} bytes) but the model declares \
+                         {:?} {} {:?} ({} bytes)",
+                        t.name,
+                        t.role,
+                        t.dtype,
+                        t.shape,
+                        t.size,
+                        d.role,
+                        d.dtype.as_str(),
+                        d.shape,
+                        d.n_bytes()
+                    ));
+                }
+                if t.offset < tend || t.offset + t.size > pl.size {
+                    return Err(format!(
+                        "layer {i}: tensor {} at {}..+{} overlaps another tensor or leaves the \
+                         layer ({} bytes)",
+                        t.name, t.offset, t.size, pl.size
+                    ));
+                }
+                tend = t.offset + t.size;
+            }
+        }
+        Ok(())
+    }
+
+    /// Packed sizes in layer order (the planner's input).
+    pub fn layer_sizes(&self) -> Vec<u64> {
+        self.layers.iter().map(|l| l.size).collect()
+    }
+}

@@ -1,0 +1,776 @@
+//! The streamed trunk: a pinned prefix of layers plus ring slots, read from a packed trunk.
+//!
+//! Owns: [`StreamedTrunk`] (the default `TrunkSource` with `--trunk DIR`): the plan from
+//! `plan::plan_trunk`, exact-size pinned buffers loaded at start with parallel reads (timed
+//! and reported), ring slots of the largest unpinned layer, O_DIRECT reads (buffered fallback,
+//! reported), and — only with at least two ring slots — one reader thread that reads the next
+//! streamed layer while the executor computes the current one. With one slot every read is
+//! synchronous and no thread is ever started (the reader would overwrite the layer being
+//! computed: wrong tokens, no error). Also [`MmapTrunk`], the page-cache comparison policy.
+//! Must not: change bytes (views are the packed bytes), or keep a view alive past the next
+//! `layer()` call (the trait's contract; buffers move between threads only by ownership
+//! transfer through channels, so the reader can never write a buffer the executor reads).
+//! Follows upstream: SYSTEM.md §3 and the Chinese seed article §3-§5 (pinned prefix, ring
+//! slots, prefetch only with >= 2 slots, the start-up lines and the deterministic hit rate).
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use k3_models::spec::{ModelSpec, TensorDecl};
+
+use super::aligned::AlignedBuf;
+use super::direct::{DirectFile, ReadPool, ReadReq};
+use super::pack::{TRUNK_BIN, TrunkManifest, layer_trunk_decls};
+use super::plan::{TrunkPlan, plan_trunk};
+use super::{StreamError, fmt_bytes};
+use crate::weights::{LayerWeights, TensorBytes, TrunkSource, TrunkStats, WeightError};
+
+/// Options of [`StreamedTrunk::open`].
+#[derive(Clone, Debug)]
+pub struct TrunkOptions {
+    /// `--trunk-gb` in bytes.
+    pub budget_bytes: u64,
+    /// `--trunk-ring` (default 2; the budget wins).
+    pub ring_slots: usize,
+    /// Read with O_DIRECT (I/O policy); falls back to buffered if the filesystem refuses.
+    pub o_direct: bool,
+    /// Parallel reads used to load the pinned prefix (queue depth).
+    pub read_threads: usize,
+    /// Load the pinned prefix in `open` (true) or each pinned layer on its first use.
+    pub preload_pinned: bool,
+    /// Only the first N layers are used (`--layers N`); `None` = all.
+    pub active_layers: Option<usize>,
+}
+
+impl Default for TrunkOptions {
+    fn default() -> Self {
+        Self {
+            budget_bytes: 16_000_000_000,
+            ring_slots: 2,
+            o_direct: true,
+            read_threads: 8,
+            preload_pinned: true,
+            active_layers: None,
+        }
+    }
+}
+
+/// Pinned layers are loaded in pieces of this size, all in parallel.
+const PIN_CHUNK: usize = 16 << 20;
+
+/// A loaded layer: the buffer and where the layer's first byte sits in it.
+#[derive(Debug)]
+struct Loaded {
+    buf: AlignedBuf,
+    lead: usize,
+}
+
+struct ReadJob {
+    layer: usize,
+    offset: u64,
+    len: usize,
+    buf: AlignedBuf,
+}
+
+struct ReadDone {
+    layer: usize,
+    buf: AlignedBuf,
+    result: Result<usize, StreamError>,
+    seconds: f64,
+    bytes: u64,
+}
+
+/// The ring of a trunk with >= 2 slots: a reader thread reads ahead in the cyclic order.
+struct Prefetch {
+    jobs: Option<mpsc::Sender<ReadJob>>,
+    done: mpsc::Receiver<ReadDone>,
+    handle: Option<JoinHandle<()>>,
+    /// The streamed layer the executor is computing (returned to `free` on the next call).
+    current: Option<(usize, Loaded)>,
+    free: Vec<AlignedBuf>,
+    in_flight: VecDeque<usize>,
+    /// Index into `streamed` of the next layer to issue.
+    cursor: usize,
+}
+
+enum Ring {
+    /// Every active layer is pinned.
+    None,
+    /// One slot, synchronous reads, no thread.
+    Sync {
+        slot: AlignedBuf,
+        holds: Option<(usize, usize)>,
+    },
+    Prefetch(Box<Prefetch>),
+}
+
+/// Pinned prefix + ring slots over a packed trunk (see the module doc).
+pub struct StreamedTrunk {
+    dir: PathBuf,
+    manifest: TrunkManifest,
+    decls: Vec<Vec<(TensorDecl, usize)>>,
+    plan: TrunkPlan,
+    file: Arc<DirectFile>,
+    pinned: Vec<Option<Loaded>>,
+    /// Unpinned active layers, in order.
+    streamed: Vec<usize>,
+    ring: Ring,
+    stats: TrunkStats,
+    pinned_load_seconds: f64,
+    reader_threads_spawned: usize,
+    out_of_order: u64,
+    huge_pages: bool,
+}
+
+impl std::fmt::Debug for StreamedTrunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedTrunk")
+            .field("dir", &self.dir)
+            .field("plan", &self.plan)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+fn layer_decls(spec: &ModelSpec, m: &TrunkManifest) -> Vec<Vec<(TensorDecl, usize)>> {
+    (0..m.n_layers)
+        .map(|l| {
+            let decls = layer_trunk_decls(spec, l);
+            m.layers[l]
+                .tensors
+                .iter()
+                .filter_map(|t| {
+                    let d = decls.iter().find(|d| d.name == t.name)?;
+                    Some(((*d).clone(), t.offset as usize))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn view<'a>(decls: &'a [(TensorDecl, usize)], bytes: &'a [u8]) -> LayerWeights<'a> {
+    LayerWeights {
+        tensors: decls
+            .iter()
+            .map(|(d, off)| TensorBytes {
+                decl: d,
+                bytes: &bytes[*off..*off + d.n_bytes()],
+            })
+            .collect(),
+    }
+}
+
+fn weight_err(layer: usize, e: StreamError) -> WeightError {
+    match e {
+        StreamError::Io { path, source, .. } => WeightError::Io {
+            what: format!("packed trunk layer {layer}"),
+            path,
+            source,
+        },
+        other => WeightError::Invalid {
+            name: format!("packed trunk layer {layer}"),
+            msg: other.to_string(),
+        },
+    }
+}
+
+impl StreamedTrunk {
+    /// Open the packed trunk in `dir` (trunk.json checked against `spec`), plan it, allocate
+    /// the buffers and (with `preload_pinned`) load the pinned prefix.
+    pub fn open(dir: &Path, spec: &ModelSpec, opts: &TrunkOptions) -> Result<Self, StreamError> {
+        let manifest = TrunkManifest::load(dir, spec)?;
+        let active = opts
+            .active_layers
+            .unwrap_or(manifest.n_layers)
+            .min(manifest.n_layers);
+        let sizes = manifest.layer_sizes();
+        let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
+        let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
+        let decls = layer_decls(spec, &manifest);
+        let streamed: Vec<usize> = (plan.pinned_layers..active).collect();
+
+        let slot_len = streamed
+            .iter()
+            .map(|&l| {
+                file.span(manifest.layers[l].offset, manifest.layers[l].size as usize)
+                    .len
+            })
+            .max()
+            .unwrap_or(0);
+        let mut huge_pages = false;
+        let mut alloc = |len: usize| -> Result<AlignedBuf, StreamError> {
+            let b = AlignedBuf::new(len).map_err(|e| {
+                StreamError::Invalid(format!(
+                    "cannot allocate a {} trunk buffer: {e}",
+                    fmt_bytes(len as u64)
+                ))
+            })?;
+            huge_pages |= b.huge_pages();
+            Ok(b)
+        };
+        let ring = match plan.ring_slots {
+            0 => Ring::None,
+            1 => Ring::Sync {
+                slot: alloc(slot_len)?,
+                holds: None,
+            },
+            n => {
+                let mut free = Vec::with_capacity(n);
+                for _ in 0..n {
+                    free.push(alloc(slot_len)?);
+                }
+                // The thread is started on the first streamed read (see `prefetch_mut`).
+                let (_tx, done) = mpsc::channel();
+                Ring::Prefetch(Box::new(Prefetch {
+                    jobs: None,
+                    done,
+                    handle: None,
+                    current: None,
+                    free,
+                    in_flight: VecDeque::new(),
+                    cursor: 0,
+                }))
+            }
+        };
+        let stats = TrunkStats {
+            n_layers: active,
+            pinned_layers: plan.pinned_layers,
+            pinned_bytes: plan.pinned_bytes,
+            ring_slots: plan.ring_slots,
+            ring_slot_bytes: plan.ring_slot_bytes,
+            o_direct: file.is_direct(),
+            ..TrunkStats::default()
+        };
+        let mut t = Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            decls,
+            plan,
+            file,
+            pinned: (0..active).map(|_| None).collect(),
+            streamed,
+            ring,
+            stats,
+            pinned_load_seconds: 0.0,
+            reader_threads_spawned: 0,
+            out_of_order: 0,
+            huge_pages,
+        };
+        if opts.preload_pinned {
+            t.load_pinned(opts.read_threads)?;
+        }
+        Ok(t)
+    }
+
+    /// Load every pinned layer not loaded yet, in parallel pieces; returns the seconds taken.
+    pub fn load_pinned(&mut self, read_threads: usize) -> Result<f64, StreamError> {
+        let todo: Vec<usize> = (0..self.plan.pinned_layers)
+            .filter(|&l| self.pinned[l].is_none())
+            .collect();
+        if todo.is_empty() {
+            return Ok(0.0);
+        }
+        let t0 = Instant::now();
+        let file = Arc::clone(&self.file);
+        let align = file.offset_align();
+        let mut bufs = Vec::with_capacity(todo.len());
+        let mut leads = Vec::with_capacity(todo.len());
+        for &l in &todo {
+            let pl = &self.manifest.layers[l];
+            let span = file.span(pl.offset, pl.size as usize);
+            let b = AlignedBuf::new(span.len).map_err(|e| {
+                StreamError::Invalid(format!(
+                    "cannot allocate the pinned buffer of layer {l} ({}): {e}",
+                    fmt_bytes(pl.size)
+                ))
+            })?;
+            self.huge_pages |= b.huge_pages();
+            bufs.push(b);
+            leads.push(span.lead);
+        }
+        let mut bytes = 0u64;
+        {
+            let mut reqs = Vec::new();
+            for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
+                let pl = &self.manifest.layers[l];
+                let size = pl.size as usize;
+                if lead == 0 && PIN_CHUNK.is_multiple_of(align) {
+                    // Aligned start: read in pieces so the prefix loads at queue depth N.
+                    for (i, piece) in b.full_mut().chunks_mut(PIN_CHUNK).enumerate() {
+                        let start = i * PIN_CHUNK;
+                        if start >= size {
+                            break;
+                        }
+                        let len = (size - start).min(PIN_CHUNK);
+                        bytes += file.span(pl.offset + start as u64, len).len as u64;
+                        reqs.push(ReadReq {
+                            file: &file,
+                            offset: pl.offset + start as u64,
+                            len,
+                            buf: piece,
+                        });
+                    }
+                } else {
+                    bytes += file.span(pl.offset, size).len as u64;
+                    reqs.push(ReadReq {
+                        file: &file,
+                        offset: pl.offset,
+                        len: size,
+                        buf: b.full_mut(),
+                    });
+                }
+            }
+            let pool = ReadPool::new(read_threads)?;
+            for r in pool.read_all(&mut reqs) {
+                r?;
+            }
+        }
+        for ((l, buf), lead) in todo.into_iter().zip(bufs).zip(leads) {
+            self.pinned[l] = Some(Loaded { buf, lead });
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        self.pinned_load_seconds += secs;
+        self.stats.bytes_read += bytes;
+        self.stats.read_seconds += secs;
+        self.stats.wait_seconds += secs;
+        Ok(secs)
+    }
+
+    /// The plan in use.
+    pub fn plan(&self) -> &TrunkPlan {
+        &self.plan
+    }
+
+    /// Seconds spent loading the pinned prefix.
+    pub fn pinned_load_seconds(&self) -> f64 {
+        self.pinned_load_seconds
+    }
+
+    /// Reader threads this trunk has started (0 with one ring slot, at most 1 otherwise).
+    pub fn reader_threads_spawned(&self) -> usize {
+        self.reader_threads_spawned
+    }
+
+    /// Calls that asked for a streamed layer out of the cyclic order (each drains the ring).
+    pub fn out_of_order_requests(&self) -> u64 {
+        self.out_of_order
+    }
+
+    /// Whether reads currently bypass the page cache, and if not, why.
+    pub fn io_line(&self) -> String {
+        if self.file.is_direct() {
+            "reads use O_DIRECT (page cache bypassed)".to_string()
+        } else {
+            format!(
+                "reads are buffered (page cache): {}",
+                self.file
+                    .fallback_reason()
+                    .unwrap_or_else(|| "O_DIRECT unavailable".to_string())
+            )
+        }
+    }
+
+    /// The start-up lines: plan, ring note, I/O mode, buffers, pinned load, hit rate.
+    pub fn startup_lines(&self) -> Vec<String> {
+        let mut lines = self.plan.report_lines();
+        let hit = lines.pop();
+        lines.push(self.io_line());
+        lines.push(format!(
+            "trunk buffers: {}; {}",
+            if self.huge_pages {
+                "2 MB transparent huge pages advised"
+            } else {
+                "4 KB pages (huge pages not advised or not available for these sizes)"
+            },
+            if self.plan.prefetch() {
+                "a reader thread reads layer L+1 while layer L computes"
+            } else if self.plan.ring_slots == 1 {
+                "no reader thread (one slot)"
+            } else {
+                "nothing streams"
+            }
+        ));
+        if self.plan.pinned_layers > 0 {
+            let loaded: u64 = (0..self.plan.pinned_layers)
+                .filter(|&l| self.pinned[l].is_some())
+                .map(|l| self.manifest.layers[l].size)
+                .sum();
+            if loaded > 0 && self.pinned_load_seconds > 0.0 {
+                lines.push(format!(
+                    "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s)",
+                    fmt_bytes(loaded),
+                    self.pinned_load_seconds,
+                    loaded as f64 / 1e6 / self.pinned_load_seconds
+                ));
+            } else {
+                lines.push("pinned prefix: loaded on first use".to_string());
+            }
+        }
+        lines.extend(hit);
+        lines
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), WeightError> {
+        if layer >= self.pinned.len() {
+            return Err(WeightError::Invalid {
+                name: format!("trunk layer {layer}"),
+                msg: format!(
+                    "out of range: the packed trunk {} serves layers 0..{}",
+                    self.dir.display(),
+                    self.pinned.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn read_sync(&mut self, layer: usize) -> Result<(), WeightError> {
+        let Ring::Sync { slot, holds } = &mut self.ring else {
+            return Ok(());
+        };
+        if matches!(holds, Some((l, _)) if *l == layer) {
+            return Ok(());
+        }
+        *holds = None;
+        let pl = &self.manifest.layers[layer];
+        let t0 = Instant::now();
+        let lead = self
+            .file
+            .read_into(pl.offset, pl.size as usize, slot.full_mut())
+            .map_err(|e| weight_err(layer, e))?;
+        let secs = t0.elapsed().as_secs_f64();
+        *holds = Some((layer, lead));
+        self.stats.bytes_read += self.file.span(pl.offset, pl.size as usize).len as u64;
+        self.stats.read_seconds += secs;
+        self.stats.wait_seconds += secs;
+        Ok(())
+    }
+
+    /// Start the reader thread (only ever called with >= 2 ring slots).
+    fn start_reader(&mut self) -> Result<(), WeightError> {
+        let Ring::Prefetch(p) = &mut self.ring else {
+            return Ok(());
+        };
+        if p.jobs.is_some() {
+            return Ok(());
+        }
+        let (jobs_tx, jobs_rx) = mpsc::channel::<ReadJob>();
+        let (done_tx, done_rx) = mpsc::channel::<ReadDone>();
+        let file = Arc::clone(&self.file);
+        let handle = std::thread::Builder::new()
+            .name("k3-trunk-reader".to_string())
+            .spawn(move || {
+                for mut job in jobs_rx {
+                    let t0 = Instant::now();
+                    let result = file.read_into(job.offset, job.len, job.buf.full_mut());
+                    let bytes = file.span(job.offset, job.len).len as u64;
+                    let done = ReadDone {
+                        layer: job.layer,
+                        buf: job.buf,
+                        result,
+                        seconds: t0.elapsed().as_secs_f64(),
+                        bytes,
+                    };
+                    if done_tx.send(done).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| WeightError::Invalid {
+                name: "packed trunk reader thread".to_string(),
+                msg: format!("cannot start: {e}"),
+            })?;
+        p.jobs = Some(jobs_tx);
+        p.done = done_rx;
+        p.handle = Some(handle);
+        self.reader_threads_spawned += 1;
+        self.stats.reader_thread = true;
+        Ok(())
+    }
+
+    /// Issue reads for the next streamed layers into every free slot.
+    fn top_up(&mut self) -> Result<(), WeightError> {
+        let Ring::Prefetch(p) = &mut self.ring else {
+            return Ok(());
+        };
+        let Some(jobs) = &p.jobs else {
+            return Ok(());
+        };
+        while let Some(buf) = p.free.pop() {
+            let layer = self.streamed[p.cursor];
+            p.cursor = (p.cursor + 1) % self.streamed.len();
+            let pl = &self.manifest.layers[layer];
+            let job = ReadJob {
+                layer,
+                offset: pl.offset,
+                len: pl.size as usize,
+                buf,
+            };
+            if let Err(mpsc::SendError(job)) = jobs.send(job) {
+                p.free.push(job.buf);
+                return Err(WeightError::Invalid {
+                    name: "packed trunk reader thread".to_string(),
+                    msg: "stopped unexpectedly".to_string(),
+                });
+            }
+            p.in_flight.push_back(layer);
+        }
+        Ok(())
+    }
+
+    /// Receive one finished read (blocking), accounting the wait.
+    fn recv_one(&mut self) -> Result<ReadDone, WeightError> {
+        let Ring::Prefetch(p) = &mut self.ring else {
+            return Err(WeightError::Invalid {
+                name: "packed trunk".to_string(),
+                msg: "no reader ring".to_string(),
+            });
+        };
+        let t0 = Instant::now();
+        let done = p.done.recv().map_err(|_| WeightError::Invalid {
+            name: "packed trunk reader thread".to_string(),
+            msg: "stopped unexpectedly".to_string(),
+        })?;
+        self.stats.wait_seconds += t0.elapsed().as_secs_f64();
+        self.stats.read_seconds += done.seconds;
+        self.stats.bytes_read += done.bytes;
+        p.in_flight.pop_front();
+        Ok(done)
+    }
+
+    fn read_prefetched(&mut self, layer: usize) -> Result<(), WeightError> {
+        self.start_reader()?;
+        self.top_up()?;
+        let front = match &self.ring {
+            Ring::Prefetch(p) => p.in_flight.front().copied(),
+            _ => None,
+        };
+        if front != Some(layer) {
+            // Out of the cyclic order: drain, restart the sequence at `layer`.
+            self.out_of_order += 1;
+            loop {
+                let pending = match &self.ring {
+                    Ring::Prefetch(p) => !p.in_flight.is_empty(),
+                    _ => false,
+                };
+                if !pending {
+                    break;
+                }
+                let d = self.recv_one()?;
+                if let Ring::Prefetch(p) = &mut self.ring {
+                    p.free.push(d.buf);
+                }
+            }
+            let pos = self
+                .streamed
+                .iter()
+                .position(|&l| l == layer)
+                .ok_or_else(|| WeightError::Invalid {
+                    name: format!("trunk layer {layer}"),
+                    msg: "not a streamed layer".to_string(),
+                })?;
+            if let Ring::Prefetch(p) = &mut self.ring {
+                p.cursor = pos;
+            }
+            self.top_up()?;
+        }
+        let d = self.recv_one()?;
+        let Ring::Prefetch(p) = &mut self.ring else {
+            return Ok(());
+        };
+        if d.layer != layer {
+            p.free.push(d.buf);
+            return Err(WeightError::Invalid {
+                name: format!("trunk layer {layer}"),
+                msg: format!("reader delivered layer {} instead", d.layer),
+            });
+        }
+        match d.result {
+            Ok(lead) => {
+                p.current = Some((layer, Loaded { buf: d.buf, lead }));
+                Ok(())
+            }
+            Err(e) => {
+                p.free.push(d.buf);
+                Err(weight_err(layer, e))
+            }
+        }
+    }
+
+    fn load_pinned_one(&mut self, layer: usize) -> Result<(), WeightError> {
+        if self.pinned[layer].is_some() {
+            return Ok(());
+        }
+        let pl = &self.manifest.layers[layer];
+        let span = self.file.span(pl.offset, pl.size as usize);
+        let t0 = Instant::now();
+        let mut buf = AlignedBuf::new(span.len).map_err(|e| WeightError::Invalid {
+            name: format!("trunk layer {layer}"),
+            msg: format!("cannot allocate the pinned buffer: {e}"),
+        })?;
+        self.huge_pages |= buf.huge_pages();
+        let lead = self
+            .file
+            .read_into(pl.offset, pl.size as usize, buf.full_mut())
+            .map_err(|e| weight_err(layer, e))?;
+        let secs = t0.elapsed().as_secs_f64();
+        self.pinned_load_seconds += secs;
+        self.stats.bytes_read += span.len as u64;
+        self.stats.read_seconds += secs;
+        self.stats.wait_seconds += secs;
+        self.pinned[layer] = Some(Loaded { buf, lead });
+        Ok(())
+    }
+}
+
+impl TrunkSource for StreamedTrunk {
+    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+        self.check_layer(layer)?;
+        // The previous streamed view is dead now (trait contract): recycle its slot and keep
+        // the reader busy while this layer computes.
+        if let Ring::Prefetch(p) = &mut self.ring
+            && let Some((_, cur)) = p.current.take()
+        {
+            p.free.push(cur.buf);
+        }
+        if self.plan.is_pinned(layer) {
+            self.load_pinned_one(layer)?;
+            // Read the next streamed layers while the pinned ones compute.
+            self.start_reader()?;
+            self.top_up()?;
+        } else {
+            match self.ring {
+                Ring::Sync { .. } => self.read_sync(layer)?,
+                Ring::Prefetch(_) => self.read_prefetched(layer)?,
+                Ring::None => {}
+            }
+        }
+        let size = self.manifest.layers[layer].size as usize;
+        let decls = &self.decls[layer];
+        let loaded = if self.plan.is_pinned(layer) {
+            self.pinned[layer].as_ref().map(|l| (l.buf.full(), l.lead))
+        } else {
+            match &self.ring {
+                Ring::Sync {
+                    slot,
+                    holds: Some((l, lead)),
+                } if *l == layer => Some((slot.full(), *lead)),
+                Ring::Prefetch(p) => p
+                    .current
+                    .as_ref()
+                    .filter(|(l, _)| *l == layer)
+                    .map(|(_, c)| (c.buf.full(), c.lead)),
+                _ => None,
+            }
+        };
+        let (buf, lead) = loaded.ok_or_else(|| WeightError::Invalid {
+            name: format!("trunk layer {layer}"),
+            msg: "not resident after its read (internal error)".to_string(),
+        })?;
+        Ok(view(decls, &buf[lead..lead + size]))
+    }
+
+    fn stats(&self) -> TrunkStats {
+        let mut s = self.stats.clone();
+        s.o_direct = self.file.is_direct();
+        s
+    }
+}
+
+impl Drop for StreamedTrunk {
+    fn drop(&mut self) {
+        if let Ring::Prefetch(p) = &mut self.ring {
+            p.jobs = None; // closes the channel: the reader finishes its job and exits
+            if let Some(h) = p.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// The page-cache comparison policy (`configs/io/mmap.toml`): trunk.bin mapped read-only,
+/// every layer served from the mapping; the kernel decides what stays in RAM.
+pub struct MmapTrunk {
+    manifest: TrunkManifest,
+    decls: Vec<Vec<(TensorDecl, usize)>>,
+    map: memmap2::Mmap,
+    stats: TrunkStats,
+}
+
+impl std::fmt::Debug for MmapTrunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmapTrunk")
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MmapTrunk {
+    pub fn open(dir: &Path, spec: &ModelSpec) -> Result<Self, StreamError> {
+        let manifest = TrunkManifest::load(dir, spec)?;
+        let path = dir.join(TRUNK_BIN);
+        let f = std::fs::File::open(&path).map_err(|e| StreamError::io("open", &path, e))?;
+        // SAFETY: read-only private mapping; trunk.bin is not modified while a run uses it
+        // (pack-trunk writes a new file and renames it over, which keeps this inode intact).
+        let map =
+            unsafe { memmap2::Mmap::map(&f) }.map_err(|e| StreamError::io("mmap", &path, e))?;
+        if (map.len() as u64) < manifest.file_bytes {
+            return Err(StreamError::Trunk {
+                path: path.display().to_string(),
+                msg: format!(
+                    "mapped {} bytes, expected {}",
+                    map.len(),
+                    manifest.file_bytes
+                ),
+            });
+        }
+        let decls = layer_decls(spec, &manifest);
+        let stats = TrunkStats {
+            n_layers: manifest.n_layers,
+            ..TrunkStats::default()
+        };
+        Ok(Self {
+            manifest,
+            decls,
+            map,
+            stats,
+        })
+    }
+
+    pub fn startup_lines(&self) -> Vec<String> {
+        vec![
+            format!(
+                "trunk mmap: {} packed, mapped through the page cache (I/O policy mmap: no \
+                 pinned prefix, no ring slots, no O_DIRECT)",
+                fmt_bytes(self.manifest.packed_bytes)
+            ),
+            "trunk bytes_read counts bytes served from the mapping (page faults are not timed)"
+                .to_string(),
+        ]
+    }
+}
+
+impl TrunkSource for MmapTrunk {
+    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+        let pl = self
+            .manifest
+            .layers
+            .get(layer)
+            .ok_or_else(|| WeightError::Invalid {
+                name: format!("trunk layer {layer}"),
+                msg: format!("out of range (0..{})", self.manifest.n_layers),
+            })?;
+        let start = pl.offset as usize;
+        let bytes = &self.map[start..start + pl.size as usize];
+        self.stats.bytes_read += pl.size;
+        Ok(view(&self.decls[layer], bytes))
+    }
+
+    fn stats(&self) -> TrunkStats {
+        self.stats.clone()
+    }
+}

@@ -1,0 +1,248 @@
+//! The expert cache: exact counters on a scripted LRU sequence, zero budget, scratch overflow,
+//! read errors and E8M0 0xFF surfacing as WeightError::Expert (never zeros).
+
+mod stream_support;
+
+use std::os::unix::fs::FileExt;
+
+use k3_models::spec::{ModelSpec, TensorRole};
+use k3_run::checkpoint::Checkpoint;
+use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_run::weights::{ExpertSource, ExpertWeights, WeightError};
+use stream_support::*;
+
+fn cache<'c>(spec: &'c ModelSpec, ck: &Checkpoint, n_experts: u64) -> ExpertCache<'c> {
+    // Learn the per-expert buffer size from a zero-budget cache, then size the real one.
+    let probe = ExpertCache::new(spec, ck, &ExpertCacheOptions::default()).expect("store");
+    let per = probe.store().expert_buf_bytes() as u64;
+    drop(probe);
+    let c = ExpertCache::new(
+        spec,
+        ck,
+        &ExpertCacheOptions {
+            budget_bytes: n_experts * per + per / 2,
+            o_direct: true,
+            read_threads: 4,
+        },
+    )
+    .expect("cache");
+    assert_eq!(c.capacity() as u64, n_experts);
+    c
+}
+
+fn check_bytes(
+    spec: &ModelSpec,
+    ck: &Checkpoint,
+    layer: usize,
+    got: &[ExpertWeights<'_>],
+    ids: &[u32],
+) {
+    assert_eq!(got.len(), ids.len());
+    for (w, &id) in got.iter().zip(ids) {
+        assert_eq!(w.expert, id as usize);
+        let want = |role: TensorRole| {
+            let d = spec
+                .tensor(role, Some(layer), Some(id as usize))
+                .expect("declared expert tensor");
+            ck.try_bytes(&d.name).expect("in checkpoint")
+        };
+        assert!(
+            w.w1_packed == want(TensorRole::ExpertW1Packed),
+            "L{layer} E{id} w1"
+        );
+        assert!(
+            w.w1_scale == want(TensorRole::ExpertW1Scale),
+            "L{layer} E{id} w1s"
+        );
+        assert!(
+            w.w3_packed == want(TensorRole::ExpertW3Packed),
+            "L{layer} E{id} w3"
+        );
+        assert!(
+            w.w3_scale == want(TensorRole::ExpertW3Scale),
+            "L{layer} E{id} w3s"
+        );
+        assert!(
+            w.w2_packed == want(TensorRole::ExpertW2Packed),
+            "L{layer} E{id} w2"
+        );
+        assert!(
+            w.w2_scale == want(TensorRole::ExpertW2Scale),
+            "L{layer} E{id} w2s"
+        );
+    }
+}
+
+fn req(c: &mut ExpertCache<'_>, spec: &ModelSpec, ck: &Checkpoint, layer: usize, ids: &[u32]) {
+    let got = c.experts(layer, ids).expect("experts");
+    check_bytes(spec, ck, layer, &got, ids);
+}
+
+#[test]
+fn lru_capacity_two_scripted_counters() {
+    let dir = test_dir("experts_lru");
+    let (model, spec) = synth_tiny(&dir, 21);
+    let ck = open_ckpt(&model, &spec);
+    let mut c = cache(&spec, &ck, 2);
+    assert_eq!(c.policy_name(), "lru");
+    // token 1
+    c.begin_token();
+    req(&mut c, &spec, &ck, 1, &[0, 1]); // 2 misses
+    req(&mut c, &spec, &ck, 2, &[0]); // miss, evicts (1,0) (least recently used)
+    // token 2
+    c.begin_token();
+    req(&mut c, &spec, &ck, 1, &[1]); // hit, resident (loaded in token 1)
+    req(&mut c, &spec, &ck, 1, &[0, 1]); // (1,1) resident hit; (1,0) miss evicts (2,0)
+    req(&mut c, &spec, &ck, 1, &[0]); // hit, but loaded during this token: not resident
+    let s = c.stats();
+    assert_eq!(
+        (s.requests, s.hits, s.misses, s.evictions, s.resident_hits),
+        (7, 3, 4, 2, 2),
+        "{s:?}"
+    );
+    assert_eq!(s.load_failures, 0);
+    assert!((s.resident_hit_rate() - 2.0 / 7.0).abs() < 1e-12);
+    let mut keys: Vec<_> = c
+        .slot_states()
+        .into_iter()
+        .map(|(st, k)| {
+            assert_eq!(st, SlotState::Ready);
+            k.expect("ready slot has a key")
+        })
+        .collect();
+    keys.sort();
+    assert_eq!(keys, vec![(1, 0), (1, 1)]);
+    assert!(s.bytes_read >= 4 * c.store().expert_bytes());
+    let lines = c.report_lines().join("\n");
+    assert!(lines.contains("TRUE resident hit rate 28.57%"), "{lines}");
+}
+
+#[test]
+fn zero_budget_serves_every_call_from_scratch() {
+    let dir = test_dir("experts_zero");
+    let (model, spec) = synth_tiny(&dir, 22);
+    let ck = open_ckpt(&model, &spec);
+    let mut c = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
+    assert_eq!(c.capacity(), 0);
+    for _ in 0..2 {
+        c.begin_token();
+        req(&mut c, &spec, &ck, 3, &[0, 3, 5, 15]);
+        req(&mut c, &spec, &ck, 12, &[1, 2]);
+    }
+    let s = c.stats();
+    assert_eq!((s.requests, s.hits, s.misses, s.evictions), (12, 0, 12, 0));
+    assert!(c.slot_states().is_empty());
+    // Not ascending: refused.
+    assert!(matches!(
+        c.experts(3, &[5, 3]),
+        Err(WeightError::Invalid { .. })
+    ));
+}
+
+#[test]
+fn capacity_smaller_than_one_call_overflows_to_scratch() {
+    let dir = test_dir("experts_overflow");
+    let (model, spec) = synth_tiny(&dir, 23);
+    let ck = open_ckpt(&model, &spec);
+    let mut c = cache(&spec, &ck, 1);
+    c.begin_token();
+    req(&mut c, &spec, &ck, 4, &[1, 2, 3, 4]);
+    req(&mut c, &spec, &ck, 4, &[1, 2, 3, 4]);
+    let s = c.stats();
+    // Call 1: 4 misses, (4,1) cached. Call 2: (4,1) hit, 3 misses; the only slot is in use by
+    // this call, so nothing is evicted.
+    assert_eq!(
+        (s.requests, s.hits, s.misses, s.evictions),
+        (8, 1, 7, 0),
+        "{s:?}"
+    );
+}
+
+/// Smallest file offset of an expert's tensors, and one of its scale tensors' offset.
+fn expert_offsets(ck: &Checkpoint, spec: &ModelSpec, layer: usize, e: usize) -> (u64, u64, String) {
+    let mut min = u64::MAX;
+    for d in spec
+        .tensors
+        .iter()
+        .filter(|d| d.layer == Some(layer) && d.expert == Some(e))
+    {
+        min = min.min(ck.try_location(&d.name).expect("loc").file_offset);
+    }
+    let sd = spec
+        .tensor(TensorRole::ExpertW3Scale, Some(layer), Some(e))
+        .expect("scale decl");
+    let sl = ck.try_location(&sd.name).expect("loc");
+    (min, sl.file_offset, sd.name.clone())
+}
+
+#[test]
+fn a_failed_read_is_weight_error_expert() {
+    let dir = test_dir("experts_read_error");
+    let (model, spec) = synth_tiny(&dir, 24);
+    let ck = open_ckpt(&model, &spec);
+    let (start, _, name) = expert_offsets(&ck, &spec, 5, 3);
+    let shard = shard_of(&model, &name);
+    // Cut the shard inside expert 3 of layer 5 (the checkpoint is already open and never
+    // touches expert bytes through its mapping).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .expect("open shard")
+        .set_len(start + 10)
+        .expect("truncate");
+    let mut c = ExpertCache::new(
+        &spec,
+        &ck,
+        &ExpertCacheOptions {
+            budget_bytes: 1 << 30,
+            o_direct: true,
+            read_threads: 2,
+        },
+    )
+    .expect("cache");
+    c.begin_token();
+    match c.experts(5, &[0, 3]) {
+        Err(WeightError::Expert { layer, expert, msg }) => {
+            assert_eq!((layer, expert), (5, 3));
+            assert!(msg.contains("model-0000"), "{msg}");
+        }
+        Err(e) => panic!("wrong error kind: {e}"),
+        Ok(_) => panic!("a truncated expert must not load"),
+    }
+    let s = c.stats();
+    assert_eq!(s.load_failures, 1);
+    // The expert that did load is cached; the failed one is not resident.
+    let ready: Vec<_> = c
+        .slot_states()
+        .into_iter()
+        .filter(|s| s.0 == SlotState::Ready)
+        .collect();
+    assert_eq!(ready, vec![(SlotState::Ready, Some((5, 0)))]);
+    req(&mut c, &spec, &ck, 5, &[0]);
+}
+
+#[test]
+fn e8m0_nan_scale_is_refused_naming_the_tensor() {
+    let dir = test_dir("experts_e8m0");
+    let (model, spec) = synth_tiny(&dir, 25);
+    let ck = open_ckpt(&model, &spec);
+    let (_, scale_off, name) = expert_offsets(&ck, &spec, 4, 2);
+    let shard = shard_of(&model, &name);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .expect("open shard")
+        .write_all_at(&[0xFF], scale_off + 5)
+        .expect("poke 0xFF");
+    let mut c = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
+    match c.experts(4, &[2]) {
+        Err(WeightError::Expert { layer, expert, msg }) => {
+            assert_eq!((layer, expert), (4, 2));
+            assert!(msg.contains(&name), "{msg}");
+            assert!(msg.contains("0xFF") && msg.contains("index 5"), "{msg}");
+        }
+        Err(e) => panic!("wrong error kind: {e}"),
+        Ok(_) => panic!("a NaN scale must not load"),
+    }
+    req(&mut c, &spec, &ck, 4, &[1, 3]);
+}

@@ -1,0 +1,147 @@
+//! pack-trunk: contiguity refusal, determinism, layout, and what an incomplete pack looks like.
+
+mod stream_support;
+
+use k3_run::stream::pack::{TRUNK_BIN, TRUNK_JSON, TrunkManifest, layer_trunk_decls, pack_trunk};
+use stream_support::*;
+
+#[test]
+fn pack_is_deterministic_aligned_and_byte_exact() {
+    let dir = test_dir("pack_determinism");
+    let (model, spec) = synth_tiny(&dir, 7);
+    let a = dir.join("trunk_a");
+    let b = dir.join("trunk_b");
+    let ra = pack_trunk(&model, &spec, &a, false).expect("first pack");
+    let rb = pack_trunk(&model, &spec, &b, false).expect("second pack");
+    assert_eq!(ra.packed_bytes, rb.packed_bytes);
+    for f in [TRUNK_BIN, TRUNK_JSON] {
+        let x = std::fs::read(a.join(f)).expect("read a");
+        let y = std::fs::read(b.join(f)).expect("read b");
+        assert!(
+            x == y,
+            "{f} differs between two packs of the same checkpoint"
+        );
+    }
+    // Packing again into the same directory replaces the pack with identical bytes.
+    pack_trunk(&model, &spec, &a, false).expect("re-pack in place");
+    assert_eq!(
+        std::fs::read(a.join(TRUNK_BIN)).expect("read"),
+        std::fs::read(b.join(TRUNK_BIN)).expect("read")
+    );
+    let names: Vec<String> = std::fs::read_dir(&a)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.contains("partial")), "{names:?}");
+
+    // Layout: every layer 4096-aligned, exactly the checkpoint's bytes, tensors at their
+    // recorded offsets; globals are not packed.
+    let m = TrunkManifest::load(&a, &spec).expect("manifest loads and validates");
+    let bin = std::fs::read(a.join(TRUNK_BIN)).expect("read bin");
+    assert_eq!(bin.len() as u64, m.file_bytes);
+    assert_eq!(m.file_bytes % 4096, 0);
+    let ck = open_ckpt(&model, &spec);
+    let mut sum = 0u64;
+    for pl in &m.layers {
+        assert_eq!(pl.offset % 4096, 0, "layer {}", pl.layer);
+        let decls = layer_trunk_decls(&spec, pl.layer);
+        assert_eq!(decls.len(), pl.tensors.len());
+        for t in &pl.tensors {
+            let got =
+                &bin[(pl.offset + t.offset) as usize..(pl.offset + t.offset + t.size) as usize];
+            let want = ck.try_bytes(&t.name).expect("tensor in checkpoint");
+            assert!(got == want, "tensor {} differs in trunk.bin", t.name);
+        }
+        sum += pl.size;
+    }
+    assert_eq!(sum, m.packed_bytes);
+    let trunk_decl_bytes: u64 = spec
+        .tensors
+        .iter()
+        .filter(|t| t.layer.is_some() && t.expert.is_none())
+        .map(|t| t.n_bytes() as u64)
+        .sum();
+    assert_eq!(
+        m.packed_bytes, trunk_decl_bytes,
+        "only trunk tensors are packed"
+    );
+    assert!(m.globals.iter().any(|g| g.role == "LmHead"));
+    assert!(m.globals.iter().any(|g| g.role == "Embed"));
+}
+
+#[test]
+fn a_hole_in_a_layer_range_is_refused_naming_layer_and_gap() {
+    let dir = test_dir("pack_hole");
+    let (model, spec) = synth_tiny(&dir, 3);
+    let layer = 5usize;
+    // Move one routed expert tensor of layer 5 between two of its trunk tensors.
+    let trunk = layer_trunk_decls(&spec, layer);
+    let first_trunk = &trunk[0].name;
+    let shard = shard_of(&model, first_trunk);
+    let mut tensors = read_safetensors(&shard);
+    let prefix = format!("language_model.model.layers.{layer}.");
+    let expert_pos = tensors
+        .iter()
+        .position(|t| t.0.starts_with(&prefix) && t.0.contains(".experts."))
+        .expect("layer 5 has routed experts in its shard");
+    let moved = tensors.remove(expert_pos);
+    let moved_name = moved.0.clone();
+    let trunk_pos = tensors
+        .iter()
+        .position(|t| t.0.starts_with(&prefix) && !t.0.contains(".experts."))
+        .expect("layer 5 trunk tensor");
+    tensors.insert(trunk_pos + 1, moved);
+    write_safetensors(&shard, &tensors);
+
+    let out = dir.join("trunk");
+    let err = pack_trunk(&model, &spec, &out, false).expect_err("hole must be refused");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(msg.contains("layer 5"), "{msg}");
+    assert!(msg.contains("hole at bytes"), "{msg}");
+    assert!(
+        msg.contains(&moved_name),
+        "the gap's content is named: {msg}"
+    );
+    assert!(
+        !out.join(TRUNK_JSON).exists(),
+        "a refused pack writes no trunk.json"
+    );
+    assert!(
+        !out.join(TRUNK_BIN).exists(),
+        "a refused pack writes no trunk.bin"
+    );
+}
+
+#[test]
+fn incomplete_or_mismatched_packs_are_refused_by_the_loader() {
+    let dir = test_dir("pack_incomplete");
+    let (model, spec) = synth_tiny(&dir, 5);
+    let out = dir.join("trunk");
+    pack_trunk(&model, &spec, &out, false).expect("pack");
+    // A pack interrupted before the final rename has only partial names: not a trunk.
+    let partial = dir.join("partial");
+    std::fs::create_dir_all(&partial).expect("mkdir");
+    std::fs::copy(out.join(TRUNK_BIN), partial.join("trunk.bin.partial")).expect("copy");
+    std::fs::copy(out.join(TRUNK_JSON), partial.join("trunk.json.partial")).expect("copy");
+    let e = TrunkManifest::load(&partial, &spec).expect_err("partial pack");
+    assert!(e.to_string().contains("did not finish"), "{e}");
+    // A trunk.bin of the wrong length.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(out.join(TRUNK_BIN))
+        .expect("open");
+    let len = f.metadata().expect("meta").len();
+    f.set_len(len - 4096).expect("truncate");
+    let e = TrunkManifest::load(&out, &spec).expect_err("short trunk.bin");
+    assert!(e.to_string().contains("incomplete"), "{e}");
+    // A manifest of a model with other tensors.
+    let mut other = spec.clone();
+    other.tensors.retain(|t| {
+        !(t.layer == Some(2) && t.expert.is_none() && t.name.ends_with("input_layernorm.weight"))
+    });
+    let m: TrunkManifest =
+        serde_json::from_slice(&std::fs::read(out.join(TRUNK_JSON)).expect("read")).expect("parse");
+    let e = m.validate(&other).expect_err("spec mismatch");
+    assert!(e.contains("layer 2"), "{e}");
+}

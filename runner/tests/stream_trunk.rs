@@ -1,0 +1,208 @@
+//! The streamed trunk at several budgets serves exactly the checkpoint's bytes; one ring slot
+//! never starts the reader thread; two slots start exactly one.
+
+mod stream_support;
+
+use k3_models::spec::ModelSpec;
+use k3_run::checkpoint::Checkpoint;
+use k3_run::stream::aligned::align_up;
+use k3_run::stream::pack::{TrunkManifest, pack_trunk};
+use k3_run::stream::trunk::{MmapTrunk, StreamedTrunk, TrunkOptions};
+use k3_run::weights::TrunkSource;
+use stream_support::*;
+
+/// Walk `tokens` cyclic passes over the layers and compare every tensor with the checkpoint.
+fn check_passes(t: &mut dyn TrunkSource, spec: &ModelSpec, ck: &Checkpoint, tokens: usize) {
+    for _ in 0..tokens {
+        for l in 0..spec.n_layers {
+            let lw = t.layer(l).expect("layer");
+            let n_decl = spec
+                .tensors
+                .iter()
+                .filter(|d| d.layer == Some(l) && d.expert.is_none())
+                .count();
+            assert_eq!(lw.tensors.len(), n_decl, "layer {l}");
+            for tb in &lw.tensors {
+                let want = ck.try_bytes(&tb.decl.name).expect("in checkpoint");
+                assert!(
+                    tb.bytes == want,
+                    "layer {l} tensor {} differs",
+                    tb.decl.name
+                );
+                assert_eq!(
+                    lw.get(tb.decl.role).map(|x| x.bytes.len()),
+                    Some(want.len())
+                );
+            }
+        }
+    }
+}
+
+struct Fixture {
+    _dir: std::path::PathBuf,
+    model: std::path::PathBuf,
+    trunk: std::path::PathBuf,
+    spec: ModelSpec,
+    sizes: Vec<u64>,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let dir = test_dir(name);
+    let (model, spec) = synth_tiny(&dir, 11);
+    let trunk = dir.join("trunk");
+    pack_trunk(&model, &spec, &trunk, false).expect("pack");
+    let sizes = TrunkManifest::load(&trunk, &spec)
+        .expect("manifest")
+        .layer_sizes()
+        .iter()
+        .map(|&s| align_up(s, 4096))
+        .collect();
+    Fixture {
+        _dir: dir,
+        model,
+        trunk,
+        spec,
+        sizes,
+    }
+}
+
+fn opts(budget: u64, ring: usize) -> TrunkOptions {
+    TrunkOptions {
+        budget_bytes: budget,
+        ring_slots: ring,
+        o_direct: true,
+        read_threads: 4,
+        preload_pinned: true,
+        active_layers: None,
+    }
+}
+
+#[test]
+fn one_slot_reads_synchronously_without_a_reader_thread() {
+    let f = fixture("trunk_one_slot");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let largest = *f.sizes.iter().max().expect("layers");
+    // Two slots of the largest layer do not fit: the plan falls back to one slot.
+    let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(largest + 4096, 2)).expect("open");
+    let p = t.plan().clone();
+    assert_eq!(p.ring_slots, 1);
+    check_passes(&mut t, &f.spec, &ck, 3);
+    assert_eq!(
+        t.reader_threads_spawned(),
+        0,
+        "one slot must never start a reader thread"
+    );
+    let s = t.stats();
+    assert!(!s.reader_thread);
+    assert_eq!(s.ring_slots, 1);
+    assert!(s.bytes_read > 0);
+    let lines = t.startup_lines().join("\n");
+    assert!(lines.contains("ONE slot, synchronous"), "{lines}");
+    assert!(lines.contains("no reader thread"), "{lines}");
+    assert!(lines.contains("deterministic hit rate"), "{lines}");
+    assert!(
+        lines.contains("reads use O_DIRECT (page cache bypassed)") || lines.contains("buffered"),
+        "{lines}"
+    );
+}
+
+#[test]
+fn two_slots_prefetch_with_one_reader_thread_at_several_budgets() {
+    let f = fixture("trunk_budgets");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let n = f.sizes.len();
+    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
+    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    let total = prefix(n);
+    let cases = [
+        ("0 pinned, 2 slots", 2 * max_from(0), 0usize),
+        ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 4),
+        ("all pinned", total, n),
+    ];
+    for (what, budget, min_pinned) in cases {
+        let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(budget, 2)).expect("open");
+        let p = t.plan().clone();
+        assert!(p.pinned_layers >= min_pinned, "{what}: {p:?}");
+        assert!(p.planned_bytes() <= budget, "{what}");
+        check_passes(&mut t, &f.spec, &ck, 3);
+        let s = t.stats();
+        if p.pinned_layers < n {
+            assert_eq!(p.ring_slots, 2, "{what}");
+            assert_eq!(t.reader_threads_spawned(), 1, "{what}");
+            assert!(s.reader_thread);
+        } else {
+            assert_eq!(p.ring_slots, 0, "{what}");
+            assert_eq!(t.reader_threads_spawned(), 0, "{what}");
+        }
+        assert_eq!(t.out_of_order_requests(), 0, "{what}");
+        assert_eq!(s.pinned_layers, p.pinned_layers);
+        assert!(s.wait_seconds <= s.read_seconds + 1.0);
+    }
+}
+
+#[test]
+fn three_slots_and_out_of_order_requests_still_serve_the_right_bytes() {
+    let f = fixture("trunk_out_of_order");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let budget = 3 * f.sizes.iter().max().expect("layers");
+    let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(budget, 3)).expect("open");
+    assert_eq!(t.plan().ring_slots, 3);
+    for &l in &[5usize, 2, 9, 9, 12, 0, 7] {
+        let lw = t.layer(l).expect("layer");
+        for tb in &lw.tensors {
+            assert!(
+                tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"),
+                "layer {l}"
+            );
+        }
+    }
+    assert!(t.out_of_order_requests() > 0);
+    check_passes(&mut t, &f.spec, &ck, 2);
+    assert!(
+        t.layer(f.spec.n_layers).is_err(),
+        "out of range layer is an error"
+    );
+}
+
+#[test]
+fn lazy_pinned_load_and_partial_layers() {
+    let f = fixture("trunk_lazy");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let mut o = opts(f.sizes.iter().sum::<u64>(), 2);
+    o.preload_pinned = false;
+    o.active_layers = Some(6);
+    let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
+    assert_eq!(t.plan().n_layers, 6);
+    assert_eq!(t.plan().pinned_layers, 6);
+    assert_eq!(t.stats().bytes_read, 0, "nothing read before first use");
+    for l in 0..6 {
+        let lw = t.layer(l).expect("layer");
+        for tb in &lw.tensors {
+            assert!(tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"));
+        }
+    }
+    assert!(t.layer(6).is_err(), "layers past --layers are not served");
+}
+
+#[test]
+fn budget_below_the_largest_layer_is_refused_with_numbers() {
+    let f = fixture("trunk_too_small");
+    let largest = *f.sizes.iter().max().expect("layers");
+    let e =
+        StreamedTrunk::open(&f.trunk, &f.spec, &opts(largest - 4096, 2)).expect_err("too small");
+    let msg = e.to_string();
+    assert!(msg.contains("cannot fit even one ring slot"), "{msg}");
+    assert!(msg.contains(&largest.to_string()), "{msg}");
+}
+
+#[test]
+fn mmap_policy_serves_the_same_bytes() {
+    let f = fixture("trunk_mmap");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let mut t = MmapTrunk::open(&f.trunk, &f.spec).expect("open");
+    check_passes(&mut t, &f.spec, &ck, 2);
+    let s = t.stats();
+    assert!(!s.o_direct && !s.reader_thread);
+    assert_eq!(s.pinned_layers, 0);
+    assert!(t.startup_lines()[0].contains("page cache"));
+}

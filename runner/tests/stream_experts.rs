@@ -8,6 +8,7 @@ use std::os::unix::fs::FileExt;
 use k3_models::spec::{ModelSpec, TensorRole};
 use k3_run::checkpoint::Checkpoint;
 use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_run::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
 use k3_run::weights::{ExpertSource, ExpertWeights, WeightError};
 use stream_support::*;
 
@@ -85,6 +86,7 @@ fn lru_capacity_two_scripted_counters() {
     let ck = open_ckpt(&model, &spec);
     let mut c = cache(&spec, &ck, 2);
     assert_eq!(c.policy_name(), "lru");
+    c.enable_trace();
     // token 1
     c.begin_token();
     req(&mut c, &spec, &ck, 1, &[0, 1]); // 2 misses
@@ -115,6 +117,19 @@ fn lru_capacity_two_scripted_counters() {
     assert!(s.bytes_read >= 4 * c.store().expert_bytes());
     let lines = c.report_lines().join("\n");
     assert!(lines.contains("TRUE resident hit rate 28.57%"), "{lines}");
+    // The trace replays to the same LRU hits (no call here needs more than the capacity).
+    let trace = c.trace().expect("trace enabled").to_vec();
+    assert_eq!(trace.iter().filter(|r| r.0 == TOKEN_MARK).count(), 2);
+    assert_eq!(trace.len(), 7 + 2);
+    let sim = simulate(&trace, 2);
+    assert_eq!((sim.requests, sim.lru_hits), (7, 3));
+    assert!(sim.belady_hits >= sim.lru_hits);
+    let tdir = dir.join("trace");
+    c.write_trace(&tdir).expect("write trace");
+    assert_eq!(
+        read_trace(&tdir.join(TRACE_FILE)).expect("read trace"),
+        trace
+    );
 }
 
 #[test]

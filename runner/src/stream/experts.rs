@@ -510,9 +510,17 @@ impl<'c> ExpertCache<'c> {
         self.trace.get_or_insert_with(Vec::new);
     }
 
-    /// The recorded requests, in order.
+    /// The recorded requests, in order (token starts marked, see `stream::trace`).
     pub fn trace(&self) -> Option<&[(u32, u32)]> {
         self.trace.as_deref()
+    }
+
+    /// Write `dir/expert_trace.bin` + `dir/expert_hist.json` (needs [`Self::enable_trace`]).
+    pub fn write_trace(&self, dir: &std::path::Path) -> Result<(), StreamError> {
+        let t = self.trace.as_deref().ok_or_else(|| {
+            StreamError::Invalid("expert trace was not enabled for this run".to_string())
+        })?;
+        super::trace::write_trace(dir, t)
     }
 
     /// One line for the start-up report.
@@ -608,6 +616,9 @@ impl<'c> ExpertCache<'c> {
 impl ExpertSource for ExpertCache<'_> {
     fn begin_token(&mut self) {
         self.token += 1;
+        if let Some(t) = &mut self.trace {
+            t.push((super::trace::TOKEN_MARK, self.token as u32));
+        }
     }
 
     fn experts(

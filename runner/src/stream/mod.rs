@@ -18,6 +18,7 @@ pub mod io_policy;
 pub mod pack;
 pub mod plan;
 pub mod presets;
+pub mod trace;
 pub mod trunk;
 
 use std::path::Path;

@@ -6,6 +6,11 @@
 //! (bf16: one 176 MB matrix; MXFP4: a ring of distinct experts totalling > 256 MB, each call
 //! uses the next expert, as real MoE decoding does), so the figures are DRAM-bound numbers.
 //!
+//! Read bandwidth: all cores stream-read a 1 GiB buffer (median of the reps). Because a shared
+//! machine's bandwidth drifts, every kernel repetition is also PAIRED with a streaming read of
+//! a 256 MiB window of that buffer taken just before it; the "paired" column is the median of
+//! the per-repetition ratios kernel / read.
+//!
 //! Environment: `K3_ISA` forces the path for the headline rows; `K3_BENCH_ALL_ISA=1` adds a
 //! row per available ISA and the per-token kernels table; `K3_BENCH_OPS_ONLY=1` prints only
 //! that table (every ISA); `K3_BENCH_REPS=n` sets the repetitions.
@@ -22,6 +27,8 @@ use k3_kernels::ops::{rmsnorm_with, situ_glu_with, softmax_inplace_with};
 use k3_kernels::router::{RouterCfg, Scoring, route_with};
 
 const GIB: usize = 1 << 30;
+/// Size of the MXFP4 expert ring (far larger than the 32 MiB L3 of the reference machine).
+const RING: usize = 256 << 20;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -54,24 +61,41 @@ fn fill_u8(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Streaming read of `buf` by all threads of `pool`; returns bytes/s (median).
-fn read_bandwidth(pool: &Pool, buf: &[u64], reps: usize) -> f64 {
+/// One streaming read of `buf` split over all threads of `pool`; returns bytes/s.
+fn read_once(pool: &Pool, buf: &[u64]) -> f64 {
     let chunk = buf.len().div_ceil(pool.n_threads());
-    let mut times = Vec::new();
-    for rep in 0..=reps {
-        let mut sink = vec![0u64; pool.n_threads()];
-        let t = Instant::now();
-        pool.for_each_chunk(&mut sink, 1, |i, s| {
-            let end = buf.len().min((i + 1) * chunk);
-            s[0] = xor_reduce(&buf[i * chunk..end]);
-        });
-        let dt = t.elapsed().as_secs_f64();
-        black_box(&sink);
-        if rep > 0 {
-            times.push(dt);
-        }
+    let mut sink = vec![0u64; pool.n_threads()];
+    let t = Instant::now();
+    pool.for_each_chunk(&mut sink, 1, |i, s| {
+        let end = buf.len().min((i + 1) * chunk);
+        s[0] = xor_reduce(&buf[i * chunk..end]);
+    });
+    let dt = t.elapsed().as_secs_f64();
+    black_box(&sink);
+    (buf.len() * 8) as f64 / dt
+}
+
+/// The all-core read-bandwidth reference: the 1 GiB buffer and a rotating 256 MiB window.
+struct Probe<'a> {
+    pool: &'a Pool,
+    buf: Vec<u64>,
+    next: std::cell::Cell<usize>,
+}
+
+impl Probe<'_> {
+    /// Median over `reps` full 1 GiB reads (after one warm-up).
+    fn full(&self, reps: usize) -> f64 {
+        read_once(self.pool, &self.buf);
+        median((0..reps).map(|_| read_once(self.pool, &self.buf)).collect())
     }
-    (buf.len() * 8) as f64 / median(times)
+
+    /// One read of the next 256 MiB window (far larger than the caches).
+    fn sample(&self) -> f64 {
+        let win = self.buf.len() / 4;
+        let i = self.next.get();
+        self.next.set((i + 1) % 4);
+        read_once(self.pool, &self.buf[i * win..(i + 1) * win])
+    }
 }
 
 /// 8 independent accumulators of 4 u64 lanes: wide enough that the loads, not the ALU, limit.
@@ -109,65 +133,92 @@ struct Row {
     threads: usize,
     isa: Isa,
     weight_bytes_per_s: f64,
+    /// Median of per-repetition (kernel / paired read) ratios.
+    paired: f64,
 }
 
-fn bench_bf16(pool: &Pool, isa: Isa, rows: usize, cols: usize, reps: usize) -> Row {
+/// Times `reps` calls of `call(rep)` (after one warm-up), each preceded by a paired read
+/// sample; returns (median seconds, median paired ratio) for `bytes` per call. In-cache
+/// kernels (`in_cache`) are not paired (the read would evict them); their ratio is NaN.
+fn timed(
+    probe: &Probe,
+    in_cache: bool,
+    reps: usize,
+    bytes: usize,
+    mut call: impl FnMut(usize),
+) -> (f64, f64) {
+    call(0);
+    let (mut times, mut ratios) = (Vec::new(), Vec::new());
+    for rep in 1..=reps {
+        let bw = if in_cache { f64::NAN } else { probe.sample() };
+        let t = Instant::now();
+        call(rep);
+        let dt = t.elapsed().as_secs_f64();
+        times.push(dt);
+        ratios.push(bytes as f64 / dt / bw);
+    }
+    (median(times), median(ratios))
+}
+
+fn bench_bf16(probe: &Probe, pool: &Pool, isa: Isa, shape: (usize, usize), reps: usize) -> Row {
+    let (rows, cols) = shape;
     let w = fill_u16(rows * cols, 0x1234_5678 ^ rows as u64);
     let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
     let mut out = vec![0.0f32; rows];
-    let mut times = Vec::new();
-    for rep in 0..=reps {
-        let t = Instant::now();
+    let bytes = rows * cols * 2;
+    let (t, paired) = timed(probe, bytes <= 4 << 20, reps, bytes, |_| {
         matvec_bf16_with(isa, pool, &w, &x, &mut out);
-        let dt = t.elapsed().as_secs_f64();
         black_box(&out);
-        if rep > 0 {
-            times.push(dt);
-        }
-    }
+    });
     Row {
-        name: format!("bf16 matvec {rows}x{cols}"),
+        name: if bytes <= 4 << 20 {
+            format!("bf16 matvec {rows}x{cols} (in cache)")
+        } else {
+            format!("bf16 matvec {rows}x{cols}")
+        },
         threads: pool.n_threads(),
         isa,
-        weight_bytes_per_s: (rows * cols * 2) as f64 / median(times),
+        weight_bytes_per_s: bytes as f64 / t,
+        paired,
     }
 }
 
-fn bench_mxfp4(pool: &Pool, isa: Isa, rows: usize, cols: usize, reps: usize) -> Row {
-    let expert_bytes = rows * cols / 2 + rows * cols / 32;
-    let n_experts = (256usize << 20).div_ceil(expert_bytes).max(2);
-    let packed = fill_u8(n_experts * rows * cols / 2, 99);
+/// `ring_bytes`: total size of the ring of distinct experts (0: one expert, stays in cache).
+fn bench_mxfp4(
+    probe: &Probe,
+    pool: &Pool,
+    isa: Isa,
+    shape: (usize, usize),
+    reps: usize,
+    ring_bytes: usize,
+) -> Row {
+    let (rows, cols) = shape;
+    let (pb, sb) = (rows * cols / 2, rows * cols / 32);
+    let n_experts = ring_bytes.div_ceil(pb + sb).max(1);
+    let packed = fill_u8(n_experts * pb, 99);
     // realistic scale bytes (K3 experts use 112..122)
-    let scales: Vec<u8> = fill_u8(n_experts * rows * cols / 32, 7)
+    let scales: Vec<u8> = fill_u8(n_experts * sb, 7)
         .iter()
         .map(|b| 112 + b % 11)
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
     let mut out = vec![0.0f32; rows];
-    let (pb, sb) = (rows * cols / 2, rows * cols / 32);
-    let mut times = Vec::new();
-    for rep in 0..=reps.max(n_experts) {
+    let (t, paired) = timed(probe, n_experts == 1, reps, pb + sb, |rep| {
         let e = rep % n_experts;
-        let t = Instant::now();
-        matvec_mxfp4_with(
-            isa,
-            pool,
-            &packed[e * pb..(e + 1) * pb],
-            &scales[e * sb..(e + 1) * sb],
-            &x,
-            &mut out,
-        );
-        let dt = t.elapsed().as_secs_f64();
+        let (p, s) = (&packed[e * pb..(e + 1) * pb], &scales[e * sb..(e + 1) * sb]);
+        matvec_mxfp4_with(isa, pool, p, s, &x, &mut out);
         black_box(&out);
-        if rep > 0 {
-            times.push(dt);
-        }
-    }
+    });
     Row {
-        name: format!("mxfp4 matvec {rows}x{cols} ({n_experts} experts ring)"),
+        name: if n_experts == 1 {
+            format!("mxfp4 matvec {rows}x{cols} (in cache)")
+        } else {
+            format!("mxfp4 matvec {rows}x{cols} ({n_experts} experts ring)")
+        },
         threads: pool.n_threads(),
         isa,
-        weight_bytes_per_s: expert_bytes as f64 / median(times),
+        weight_bytes_per_s: (pb + sb) as f64 / t,
+        paired,
     }
 }
 
@@ -343,10 +394,20 @@ fn main() {
         return;
     }
 
-    let buf: Vec<u64> = (0..GIB / 8).map(|i| i as u64 * 0x9E37_79B9).collect();
-    let bw_all = read_bandwidth(&pool_all, &buf, reps);
-    let bw_one = read_bandwidth(&pool_one, &buf, reps);
-    drop(buf);
+    let probe = Probe {
+        pool: &pool_all,
+        buf: (0..GIB / 8).map(|i| i as u64 * 0x9E37_79B9).collect(),
+        next: std::cell::Cell::new(0),
+    };
+    let bw_all = probe.full(reps);
+    let bw_one = {
+        read_once(&pool_one, &probe.buf);
+        median(
+            (0..reps)
+                .map(|_| read_once(&pool_one, &probe.buf))
+                .collect(),
+        )
+    };
     println!(
         "memory read bandwidth (1 GiB streaming read): all {n_all} cores {:.2} GB/s, 1 core {:.2} GB/s",
         bw_all / 1e9,
@@ -356,24 +417,37 @@ fn main() {
     let mut rows = Vec::new();
     for &isa in &isas {
         for pool in [&pool_one, &pool_all] {
-            rows.push(bench_bf16(pool, isa, 12288, 7168, reps));
-            rows.push(bench_bf16(pool, isa, 7168, 12288, reps));
-            rows.push(bench_mxfp4(pool, isa, 3072, 3584, reps));
-            rows.push(bench_mxfp4(pool, isa, 3584, 3072, reps));
+            rows.push(bench_bf16(&probe, pool, isa, (12288, 7168), reps));
+            rows.push(bench_bf16(&probe, pool, isa, (7168, 12288), reps));
+            rows.push(bench_mxfp4(&probe, pool, isa, (3072, 3584), reps, RING));
+            rows.push(bench_mxfp4(&probe, pool, isa, (3584, 3072), reps, RING));
+        }
+    }
+    // compute ceiling: the same kernels on weights that stay in L2/L3
+    for &isa in &isas {
+        for pool in [&pool_one, &pool_all] {
+            rows.push(bench_bf16(&probe, pool, isa, (256, 4096), reps * 4));
+            rows.push(bench_mxfp4(&probe, pool, isa, (512, 4096), reps * 4, 0));
         }
     }
     println!(
-        "{:<44} {:>7} {:>8} {:>12} {:>10}",
-        "kernel", "isa", "threads", "weight GB/s", "of read bw"
+        "{:<44} {:>7} {:>8} {:>12} {:>10} {:>8}",
+        "kernel", "isa", "threads", "weight GB/s", "of read bw", "paired"
     );
     for r in &rows {
+        let paired = if r.paired.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{:.1}%", 100.0 * r.paired)
+        };
         println!(
-            "{:<44} {:>7} {:>8} {:>12.2} {:>9.1}%",
+            "{:<44} {:>7} {:>8} {:>12.2} {:>9.1}% {:>8}",
             r.name,
             r.isa.name(),
             r.threads,
             r.weight_bytes_per_s / 1e9,
-            100.0 * r.weight_bytes_per_s / bw_all
+            100.0 * r.weight_bytes_per_s / bw_all,
+            paired
         );
     }
     if all_isa {

@@ -19,7 +19,7 @@ pub enum Isa {
     Scalar,
     /// x86-64 with AVX2 and FMA.
     Avx2,
-    /// x86-64 with AVX-512F (plus AVX2 and FMA).
+    /// x86-64 with AVX-512F and AVX-512VL (plus AVX2 and FMA).
     Avx512,
     /// aarch64 Advanced SIMD.
     Neon,
@@ -68,6 +68,7 @@ pub fn is_available(isa: Isa) -> bool {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
         }

@@ -30,7 +30,7 @@ macro_rules! multiversion {
             }
 
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
             fn imp_avx512($($arg: $ty),*) $(-> $ret)? {
                 imp($($arg),*)
             }
@@ -40,7 +40,7 @@ macro_rules! multiversion {
                 // SAFETY: resolve() returns Avx2 only when avx2 and fma were detected at run time.
                 $crate::isa::Isa::Avx2 => unsafe { imp_avx2($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: resolve() returns Avx512 only when avx512f, avx2, fma were detected.
+                // SAFETY: resolve() returns Avx512 only when avx512f/vl, avx2, fma were detected.
                 $crate::isa::Isa::Avx512 => unsafe { imp_avx512($($arg),*) },
                 _ => imp($($arg),*),
             }

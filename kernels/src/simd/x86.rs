@@ -1,34 +1,62 @@
 //! x86-64 fast paths: AVX-512F and AVX2+FMA versions of the canonical dot and matvec rows.
 //!
-//! Owns: instruction sequences that reproduce `crate::reduce`'s order exactly: logical lane
-//! `j` of the 16 canonical lanes is SIMD lane `j` (AVX-512: one `__m512`; AVX2: lanes 0..8 in
-//! a low `__m256`, 8..16 in a high one); every accumulation is `vfmadd` (one rounding, like
-//! `f32::mul_add`); the tail past the last full 16-block and the pairwise tree run in scalar
-//! code shared with the reference. Several rows are kept in flight (independent accumulators
-//! per row) to hide FMA latency; that never changes any row's order.
+//! Owns: instruction sequences that reproduce `crate::reduce`'s order exactly: every
+//! accumulation is `vfmadd` (one rounding, like `f32::mul_add`); each of the 16 canonical lanes
+//! lives in one SIMD lane and sees its elements in ascending order; the tail past the last full
+//! 16-block and the pairwise tree run in scalar code shared with the reference. `R` rows are
+//! kept in flight (independent accumulators, fully unrolled) to hide FMA latency; while a group
+//! of rows is computed, the next group's rows (contiguous in memory) are prefetched into L2.
+//! Neither changes any row's order.
 //! Must not: use `vdpbf16ps` (its internal rounding differs from an FMA chain) or reassociate.
 //!
-//! Every function here requires its target features; callers dispatch on a detected [`Isa`].
+//! Lane maps: AVX-512 bf16/f32: physical lane j = canonical lane j. AVX-512 MXFP4: two
+//! `__m256` accumulators per row, lane j of the "even" one = canonical lane 2j, of the "odd"
+//! one = canonical 2j + 1 (x permuted to match; lanes restored before the tree). AVX2:
+//! canonical lanes 0..8 in a low `__m256`, 8..16 in a high one.
 //!
-//! [`Isa`]: crate::isa::Isa
+//! Every function here requires its target features; callers dispatch on a detected `Isa`.
 
 use std::arch::x86_64::*;
 
 use crate::matvec::{E2M1, E8M0};
 use crate::reduce::{LANES, bf16_tail, fma_tail, tree16};
 
-/// Rows processed together by the matvec kernels.
-const ROWS: usize = 4;
+/// Runs `group::<$rows>` over full groups of rows, then `group::<1>` over the rest.
+macro_rules! row_groups {
+    ($rows:expr, $out:expr, $group:ident, $($arg:expr),*) => {{
+        let out: &mut [f32] = $out;
+        let mut r = 0;
+        while r + $rows <= out.len() {
+            $group::<{ $rows }>($($arg,)* r, &mut out[r..r + $rows]);
+            r += $rows;
+        }
+        while r < out.len() {
+            $group::<1>($($arg,)* r, &mut out[r..r + 1]);
+            r += 1;
+        }
+    }};
+}
 
 // -------------------------------------------------------------------------------------------
 // AVX-512F
 // -------------------------------------------------------------------------------------------
 
+/// Prefetches (into L2) the cache line at `p + ahead` bytes; never faults, never reads.
+#[inline(always)]
+fn prefetch_l2<T>(p: *const T, ahead_bytes: usize) {
+    // SAFETY: prefetch is a hint; it does not fault on any address (wrapping_add avoids
+    // creating an out-of-bounds pointer through `add`).
+    unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>().wrapping_add(ahead_bytes)) };
+}
+
 pub(crate) mod avx512 {
     use super::*;
 
+    /// Rows in flight (32 vector registers leave room for 8 accumulators and temporaries).
+    const ROWS: usize = 8;
+
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     fn lanes(v: __m512) -> [f32; LANES] {
         let mut l = [0.0f32; LANES];
         // SAFETY: `l` holds exactly 16 f32.
@@ -41,7 +69,7 @@ pub(crate) mod avx512 {
     /// # Safety
     /// `p..p+16` must be readable.
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     unsafe fn bf16x16(p: *const u16) -> __m512 {
         // SAFETY: the caller guarantees 16 readable u16 (32 bytes) at p.
         let h = unsafe { _mm256_loadu_si256(p.cast()) };
@@ -49,7 +77,7 @@ pub(crate) mod avx512 {
     }
 
     /// Canonical dot (see `crate::reduce`).
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let full = a.len().min(b.len()) / LANES * LANES;
         let mut acc = _mm512_setzero_ps();
@@ -70,130 +98,168 @@ pub(crate) mod avx512 {
         tree16(l)
     }
 
-    /// `out[r] = dot(w[r*cols..], x)` for f32 weights.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(crate) fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
+    /// Rows `r0..r0+R` of an f32 matvec into `out` (`out.len() == R`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn group_f32<const R: usize>(w: &[f32], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        assert_eq!(w.len(), out.len() * cols, "rows_f32: shape");
+        let rows: [&[f32]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
         let full = cols / LANES * LANES;
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [_mm512_setzero_ps(); ROWS];
-            let mut c = 0;
-            while c < full {
-                // SAFETY: c + 16 <= cols and row r + i < out.len(), so every load is in bounds.
-                unsafe {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add(c));
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let wv = _mm512_loadu_ps(w.as_ptr().add((r + i) * cols + c));
-                        *a = _mm512_fmadd_ps(wv, xv, *a);
-                    }
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of x and of every row.
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    prefetch_l2(p, R * cols * 4);
+                    acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p), xv, acc[i]);
                 }
-                c += LANES;
             }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                let row = &w[(r + i) * cols..(r + i + 1) * cols];
-                let mut l = lanes(*a);
-                fma_tail(&mut l, &row[full..], &x[full..]);
-                out[r + i] = tree16(l);
+            c += LANES;
+        }
+        for i in 0..R {
+            let mut l = lanes(acc[i]);
+            fma_tail(&mut l, &rows[i][full..], &x[full..]);
+            out[i] = tree16(l);
+        }
+    }
+
+    /// `out[r] = dot(w[r*cols..], x)` for f32 weights.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    pub(crate) fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
+        assert_eq!(w.len(), out.len() * x.len(), "rows_f32: shape");
+        row_groups!(ROWS, out, group_f32, w, x);
+    }
+
+    /// Rows `r0..r0+R` of a bf16 matvec.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn group_bf16<const R: usize>(w: &[u16], x: &[f32], r0: usize, out: &mut [f32]) {
+        let cols = x.len();
+        let rows: [&[u16]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let full = cols / LANES * LANES;
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of x and of every row.
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    if c.is_multiple_of(32) {
+                        prefetch_l2(p, R * cols * 2); // one 64-byte line per two steps
+                    }
+                    acc[i] = _mm512_fmadd_ps(bf16x16(p), xv, acc[i]);
+                }
             }
-            r += n;
+            c += LANES;
+        }
+        for i in 0..R {
+            let mut l = lanes(acc[i]);
+            bf16_tail(&mut l, &rows[i][full..], &x[full..]);
+            out[i] = tree16(l);
         }
     }
 
     /// `out[r] = dot(bf16 row r, x)`.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub(crate) fn rows_bf16(w: &[u16], x: &[f32], out: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), out.len() * cols, "rows_bf16: shape");
-        let full = cols / LANES * LANES;
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [_mm512_setzero_ps(); ROWS];
-            let mut c = 0;
-            while c < full {
-                // SAFETY: c + 16 <= cols and row r + i < out.len(), so every load is in bounds.
-                unsafe {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add(c));
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let wv = bf16x16(w.as_ptr().add((r + i) * cols + c));
-                        *a = _mm512_fmadd_ps(wv, xv, *a);
-                    }
-                }
-                c += LANES;
-            }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                let row = &w[(r + i) * cols..(r + i + 1) * cols];
-                let mut l = lanes(*a);
-                bf16_tail(&mut l, &row[full..], &x[full..]);
-                out[r + i] = tree16(l);
-            }
-            r += n;
-        }
+        assert_eq!(w.len(), out.len() * x.len(), "rows_bf16: shape");
+        row_groups!(ROWS, out, group_bf16, w, x);
     }
 
-    /// Elements `0..16` and `16..32` of one MXFP4 block (16 bytes at `p`), decoded exactly:
-    /// lane `j` of the first vector is element `j`, of the second element `16 + j`.
+    /// Rows `r0..r0+R` of an MXFP4 matvec (`cols % 32 == 0`).
     ///
-    /// # Safety
-    /// `p..p+16` must be readable.
+    /// Per block: bytes widen to dwords (`vpmovzxbd`, 8 at a time), `vpermt2ps` looks up the
+    /// 16-entry table `E2M1 * scale` (exact products, built once per row and block) with the
+    /// low nibble (even elements) and, after a shift, the high nibble (odd elements). Even
+    /// elements accumulate into `even[i]` (canonical lanes 0, 2, .., 14: elements 0..16 of the
+    /// block, then 16..32), odd ones into `odd[i]`; x is de-interleaved to match once per block.
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn mxfp4_block(p: *const u8, table: __m512) -> (__m512, __m512) {
-        // SAFETY: the caller guarantees 16 readable bytes at p.
-        let v = unsafe { _mm_loadu_si128(p.cast()) };
-        // element 2j is the low nibble of byte j, 2j+1 the high nibble
-        let shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-        let lo = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v)), shift);
-        let hi = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(v, v)), shift);
-        // vpermps reads only the low 4 bits of each index: the nibble.
-        (
-            _mm512_permutexvar_ps(lo, table),
-            _mm512_permutexvar_ps(hi, table),
-        )
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn group_mxfp4<const R: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        x: &[f32],
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let cols = x.len();
+        let (pb, nb) = (cols / 2, cols / 32);
+        let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
+        let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+        // SAFETY: E2M1 holds exactly 16 f32.
+        let (t_lo, t_hi) = unsafe {
+            (
+                _mm256_loadu_ps(E2M1.as_ptr()),
+                _mm256_loadu_ps(E2M1.as_ptr().add(8)),
+            )
+        };
+        let ev = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        let od = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            // SAFETY: b < nb: x has 32 floats at 32b; every packed row has 16 bytes at 16b.
+            unsafe {
+                let xp = x.as_ptr().add(32 * b);
+                let (x0, x1) = (_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8)));
+                let (x2, x3) = (_mm256_loadu_ps(xp.add(16)), _mm256_loadu_ps(xp.add(24)));
+                let xe_lo = _mm256_permutex2var_ps(x0, ev, x1); // x[0, 2, .., 14]
+                let xo_lo = _mm256_permutex2var_ps(x0, od, x1); // x[1, 3, .., 15]
+                let xe_hi = _mm256_permutex2var_ps(x2, ev, x3); // x[16, 18, .., 30]
+                let xo_hi = _mm256_permutex2var_ps(x2, od, x3); // x[17, 19, .., 31]
+                for i in 0..R {
+                    // exact: a power of two times a 2-bit-significand value
+                    let s = _mm256_set1_ps(E8M0[srow[i][b] as usize]);
+                    let (s_lo, s_hi) = (_mm256_mul_ps(t_lo, s), _mm256_mul_ps(t_hi, s));
+                    let p = prow[i].as_ptr().add(16 * b);
+                    if b.is_multiple_of(4) {
+                        prefetch_l2(p, R * pb); // one 64-byte line per four blocks
+                    }
+                    let b_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())); // bytes 0..8
+                    let b_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast())); // 8..16
+                    // vpermt2ps reads the low 4 bits of each index: the nibble.
+                    let e_lo = _mm256_permutex2var_ps(s_lo, b_lo, s_hi);
+                    let o_lo = _mm256_permutex2var_ps(s_lo, _mm256_srli_epi32::<4>(b_lo), s_hi);
+                    let e_hi = _mm256_permutex2var_ps(s_lo, b_hi, s_hi);
+                    let o_hi = _mm256_permutex2var_ps(s_lo, _mm256_srli_epi32::<4>(b_hi), s_hi);
+                    even[i] = _mm256_fmadd_ps(e_lo, xe_lo, even[i]);
+                    odd[i] = _mm256_fmadd_ps(o_lo, xo_lo, odd[i]);
+                    even[i] = _mm256_fmadd_ps(e_hi, xe_hi, even[i]);
+                    odd[i] = _mm256_fmadd_ps(o_hi, xo_hi, odd[i]);
+                }
+            }
+        }
+        for i in 0..R {
+            let (mut e, mut o) = ([0.0f32; 8], [0.0f32; 8]);
+            // SAFETY: e and o hold 8 f32 each.
+            unsafe {
+                _mm256_storeu_ps(e.as_mut_ptr(), even[i]);
+                _mm256_storeu_ps(o.as_mut_ptr(), odd[i]);
+            }
+            let mut l = [0.0f32; LANES];
+            for j in 0..8 {
+                l[2 * j] = e[j];
+                l[2 * j + 1] = o[j];
+            }
+            out[i] = tree16(l);
+        }
     }
 
     /// `out[r] = dot(decoded MXFP4 row r, x)`; `cols % 32 == 0`.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub(crate) fn rows_mxfp4(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
         let cols = x.len();
-        let nb = cols / 32;
         assert!(
             cols.is_multiple_of(32)
                 && packed.len() == out.len() * cols / 2
-                && scales.len() == out.len() * nb,
+                && scales.len() == out.len() * cols / 32,
             "rows_mxfp4: shape"
         );
-        // SAFETY: E2M1 holds exactly 16 f32.
-        let e2m1 = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [_mm512_setzero_ps(); ROWS];
-            for b in 0..nb {
-                // SAFETY: block b < nb: x has 32 floats at 32b, each row has 16 bytes at
-                // (r+i)*cols/2 + 16b, all inside the slices checked above.
-                unsafe {
-                    let x0 = _mm512_loadu_ps(x.as_ptr().add(32 * b));
-                    let x1 = _mm512_loadu_ps(x.as_ptr().add(32 * b + 16));
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let s = E8M0[*scales.get_unchecked((r + i) * nb + b) as usize];
-                        // exact: a power of two times a 2-bit-significand value
-                        let table = _mm512_mul_ps(e2m1, _mm512_set1_ps(s));
-                        let p = packed.as_ptr().add((r + i) * cols / 2 + 16 * b);
-                        let (w0, w1) = mxfp4_block(p, table);
-                        *a = _mm512_fmadd_ps(w0, x0, *a);
-                        *a = _mm512_fmadd_ps(w1, x1, *a);
-                    }
-                }
-            }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                out[r + i] = tree16(lanes(*a));
-            }
-            r += n;
-        }
+        row_groups!(ROWS, out, group_mxfp4, packed, scales, x);
     }
 }
 
@@ -203,6 +269,9 @@ pub(crate) mod avx512 {
 
 pub(crate) mod avx2 {
     use super::*;
+
+    /// Rows in flight (two `__m256` accumulators per row; 16 vector registers).
+    const ROWS: usize = 4;
 
     #[derive(Clone, Copy)]
     struct Acc(__m256, __m256);
@@ -261,72 +330,80 @@ pub(crate) mod avx2 {
         tree16(l)
     }
 
+    /// Rows `r0..r0+R` of an f32 matvec.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn group_f32<const R: usize>(w: &[f32], x: &[f32], r0: usize, out: &mut [f32]) {
+        let cols = x.len();
+        let rows: [&[f32]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let full = cols / LANES * LANES;
+        let mut acc = [zero(); R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of x and of every row.
+            unsafe {
+                let x0 = _mm256_loadu_ps(x.as_ptr().add(c));
+                let x1 = _mm256_loadu_ps(x.as_ptr().add(c + 8));
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    prefetch_l2(p, R * cols * 4);
+                    acc[i].0 = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[i].0);
+                    acc[i].1 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), x1, acc[i].1);
+                }
+            }
+            c += LANES;
+        }
+        for i in 0..R {
+            let mut l = lanes(acc[i]);
+            fma_tail(&mut l, &rows[i][full..], &x[full..]);
+            out[i] = tree16(l);
+        }
+    }
+
     /// `out[r] = dot(w[r*cols..], x)` for f32 weights.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
+        assert_eq!(w.len(), out.len() * x.len(), "rows_f32: shape");
+        row_groups!(ROWS, out, group_f32, w, x);
+    }
+
+    /// Rows `r0..r0+R` of a bf16 matvec.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn group_bf16<const R: usize>(w: &[u16], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        assert_eq!(w.len(), out.len() * cols, "rows_f32: shape");
+        let rows: [&[u16]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
         let full = cols / LANES * LANES;
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [zero(); ROWS];
-            let mut c = 0;
-            while c < full {
-                // SAFETY: c + 16 <= cols and row r + i < out.len(), so every load is in bounds.
-                unsafe {
-                    let x0 = _mm256_loadu_ps(x.as_ptr().add(c));
-                    let x1 = _mm256_loadu_ps(x.as_ptr().add(c + 8));
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let p = w.as_ptr().add((r + i) * cols + c);
-                        a.0 = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, a.0);
-                        a.1 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), x1, a.1);
+        let mut acc = [zero(); R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of x and of every row.
+            unsafe {
+                let x0 = _mm256_loadu_ps(x.as_ptr().add(c));
+                let x1 = _mm256_loadu_ps(x.as_ptr().add(c + 8));
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    if c.is_multiple_of(32) {
+                        prefetch_l2(p, R * cols * 2);
                     }
+                    acc[i].0 = _mm256_fmadd_ps(bf16x8(p), x0, acc[i].0);
+                    acc[i].1 = _mm256_fmadd_ps(bf16x8(p.add(8)), x1, acc[i].1);
                 }
-                c += LANES;
             }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                let row = &w[(r + i) * cols..(r + i + 1) * cols];
-                let mut l = lanes(*a);
-                fma_tail(&mut l, &row[full..], &x[full..]);
-                out[r + i] = tree16(l);
-            }
-            r += n;
+            c += LANES;
+        }
+        for i in 0..R {
+            let mut l = lanes(acc[i]);
+            bf16_tail(&mut l, &rows[i][full..], &x[full..]);
+            out[i] = tree16(l);
         }
     }
 
     /// `out[r] = dot(bf16 row r, x)`.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn rows_bf16(w: &[u16], x: &[f32], out: &mut [f32]) {
-        let cols = x.len();
-        assert_eq!(w.len(), out.len() * cols, "rows_bf16: shape");
-        let full = cols / LANES * LANES;
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [zero(); ROWS];
-            let mut c = 0;
-            while c < full {
-                // SAFETY: c + 16 <= cols and row r + i < out.len(), so every load is in bounds.
-                unsafe {
-                    let x0 = _mm256_loadu_ps(x.as_ptr().add(c));
-                    let x1 = _mm256_loadu_ps(x.as_ptr().add(c + 8));
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let p = w.as_ptr().add((r + i) * cols + c);
-                        a.0 = _mm256_fmadd_ps(bf16x8(p), x0, a.0);
-                        a.1 = _mm256_fmadd_ps(bf16x8(p.add(8)), x1, a.1);
-                    }
-                }
-                c += LANES;
-            }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                let row = &w[(r + i) * cols..(r + i + 1) * cols];
-                let mut l = lanes(*a);
-                bf16_tail(&mut l, &row[full..], &x[full..]);
-                out[r + i] = tree16(l);
-            }
-            r += n;
-        }
+        assert_eq!(w.len(), out.len() * x.len(), "rows_bf16: shape");
+        row_groups!(ROWS, out, group_bf16, w, x);
     }
 
     /// Decodes 8 elements whose bytes (each repeated twice) are in the low 8 bytes of `d`.
@@ -337,58 +414,70 @@ pub(crate) mod avx2 {
         let idx = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(d), shift);
         // vpermps reads the low 3 bits (magnitude); bit 3 of the nibble is the sign.
         let m = _mm256_permutevar8x32_ps(mag, idx);
-        let sign = _mm256_slli_epi32::<28>(idx);
-        let sign = _mm256_and_si256(sign, _mm256_set1_epi32(i32::MIN));
+        let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(idx), _mm256_set1_epi32(i32::MIN));
         _mm256_xor_ps(m, _mm256_castsi256_ps(sign))
+    }
+
+    /// Rows `r0..r0+R` of an MXFP4 matvec (`cols % 32 == 0`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn group_mxfp4<const R: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        x: &[f32],
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let cols = x.len();
+        let (pb, nb) = (cols / 2, cols / 32);
+        let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
+        let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+        // SAFETY: E2M1 holds 16 f32; the first 8 are the non-negative magnitudes.
+        let e2m1 = unsafe { _mm256_loadu_ps(E2M1.as_ptr()) };
+        let mut acc = [zero(); R];
+        for b in 0..nb {
+            // SAFETY: b < nb: x has 32 floats at 32b; every packed row has 16 bytes at 16b.
+            unsafe {
+                let xp = x.as_ptr().add(32 * b);
+                let xs = [
+                    _mm256_loadu_ps(xp),
+                    _mm256_loadu_ps(xp.add(8)),
+                    _mm256_loadu_ps(xp.add(16)),
+                    _mm256_loadu_ps(xp.add(24)),
+                ];
+                for i in 0..R {
+                    // exact: (-m) * s == -(m * s), so the sign xor after scaling matches scalar
+                    let mag = _mm256_mul_ps(e2m1, _mm256_set1_ps(E8M0[srow[i][b] as usize]));
+                    let p = prow[i].as_ptr().add(16 * b);
+                    if b.is_multiple_of(4) {
+                        prefetch_l2(p, R * pb);
+                    }
+                    let v = _mm_loadu_si128(p.cast());
+                    let lo = _mm_unpacklo_epi8(v, v); // elements 0..16
+                    let hi = _mm_unpackhi_epi8(v, v); // elements 16..32
+                    let a = &mut acc[i];
+                    a.0 = _mm256_fmadd_ps(mxfp4_x8(lo, mag), xs[0], a.0);
+                    a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(lo), mag), xs[1], a.1);
+                    a.0 = _mm256_fmadd_ps(mxfp4_x8(hi, mag), xs[2], a.0);
+                    a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(hi), mag), xs[3], a.1);
+                }
+            }
+        }
+        for i in 0..R {
+            out[i] = tree16(lanes(acc[i]));
+        }
     }
 
     /// `out[r] = dot(decoded MXFP4 row r, x)`; `cols % 32 == 0`.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn rows_mxfp4(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
         let cols = x.len();
-        let nb = cols / 32;
         assert!(
             cols.is_multiple_of(32)
                 && packed.len() == out.len() * cols / 2
-                && scales.len() == out.len() * nb,
+                && scales.len() == out.len() * cols / 32,
             "rows_mxfp4: shape"
         );
-        // SAFETY: E2M1 holds 16 f32; the first 8 are the non-negative magnitudes.
-        let e2m1 = unsafe { _mm256_loadu_ps(E2M1.as_ptr()) };
-        let mut r = 0;
-        while r < out.len() {
-            let n = ROWS.min(out.len() - r);
-            let mut acc = [zero(); ROWS];
-            for b in 0..nb {
-                // SAFETY: block b < nb: x has 32 floats at 32b, each row has 16 bytes at
-                // (r+i)*cols/2 + 16b, all inside the slices checked above.
-                unsafe {
-                    let xp = x.as_ptr().add(32 * b);
-                    let xs = [
-                        _mm256_loadu_ps(xp),
-                        _mm256_loadu_ps(xp.add(8)),
-                        _mm256_loadu_ps(xp.add(16)),
-                        _mm256_loadu_ps(xp.add(24)),
-                    ];
-                    for (i, a) in acc.iter_mut().enumerate().take(n) {
-                        let s = E8M0[*scales.get_unchecked((r + i) * nb + b) as usize];
-                        // exact: (-m) * s == -(m * s), so sign-xor after scaling matches scalar
-                        let mag = _mm256_mul_ps(e2m1, _mm256_set1_ps(s));
-                        let p = packed.as_ptr().add((r + i) * cols / 2 + 16 * b);
-                        let v = _mm_loadu_si128(p.cast());
-                        let lo = _mm_unpacklo_epi8(v, v); // elements 0..16
-                        let hi = _mm_unpackhi_epi8(v, v); // elements 16..32
-                        a.0 = _mm256_fmadd_ps(mxfp4_x8(lo, mag), xs[0], a.0);
-                        a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(lo), mag), xs[1], a.1);
-                        a.0 = _mm256_fmadd_ps(mxfp4_x8(hi, mag), xs[2], a.0);
-                        a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(hi), mag), xs[3], a.1);
-                    }
-                }
-            }
-            for (i, a) in acc.iter().enumerate().take(n) {
-                out[r + i] = tree16(lanes(*a));
-            }
-            r += n;
-        }
+        row_groups!(ROWS, out, group_mxfp4, packed, scales, x);
     }
 }

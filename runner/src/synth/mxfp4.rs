@@ -57,10 +57,49 @@ fn e2m1_code(m: f64) -> u8 {
 
 /// Quantise one row. `row.len()` must be a multiple of 32 and the values finite;
 /// `packed.len() == row.len() / 2`, `scales.len() == row.len() / 32`.
+///
+/// Fast form of [`quantize_row_reference`] (bit-identical, tested): the block is scaled in f32
+/// (`x * 2^-e` is exact whenever the result is a normal float, and a subnormal result is far
+/// below the first rounding threshold 0.25), and the code is a branch-free count of the
+/// thresholds passed (`>` at a tie that goes down to the even code, `>=` at one that goes up).
 pub fn quantize_row(row: &[f32], packed: &mut [u8], scales: &mut [u8]) {
     debug_assert_eq!(row.len() % GROUP, 0);
     debug_assert_eq!(packed.len() * 2, row.len());
     debug_assert_eq!(scales.len() * GROUP, row.len());
+    for ((block, pk), sc) in row
+        .chunks_exact(GROUP)
+        .zip(packed.chunks_exact_mut(GROUP / 2))
+        .zip(scales.iter_mut())
+    {
+        let amax = block.iter().fold(0f32, |m, &x| m.max(x.abs()));
+        let e = if amax > 0.0 {
+            (floor_log2(amax) - 2).clamp(-127, 127)
+        } else {
+            -127
+        };
+        *sc = (127 + e) as u8;
+        let inv = pow2_f64(-e) as f32;
+        let mut codes = [0u8; GROUP];
+        for (c, &x) in codes.iter_mut().zip(block) {
+            let v = x * inv;
+            let m = v.abs();
+            let code = u8::from(m > 0.25)
+                + u8::from(m >= 0.75)
+                + u8::from(m > 1.25)
+                + u8::from(m >= 1.75)
+                + u8::from(m > 2.5)
+                + u8::from(m >= 3.5)
+                + u8::from(m > 5.0);
+            *c = code | (u8::from(v < 0.0 && code != 0) << 3);
+        }
+        for (p, pair) in pk.iter_mut().zip(codes.chunks_exact(2)) {
+            *p = pair[0] | (pair[1] << 4);
+        }
+    }
+}
+
+/// The plain statement of the rule, in f64 with an if-chain; [`quantize_row`] must match it.
+pub fn quantize_row_reference(row: &[f32], packed: &mut [u8], scales: &mut [u8]) {
     for (b, block) in row.chunks_exact(GROUP).enumerate() {
         let amax = block.iter().fold(0f32, |m, &x| m.max(x.abs()));
         let e = if amax > 0.0 {
@@ -150,6 +189,29 @@ mod tests {
             assert!((back[i] - row[i]).abs() <= 2f32.powi(-8), "i={i}");
         }
         assert_eq!(back[40], 6.0 * 2f32.powi(97));
+    }
+
+    #[test]
+    fn fast_form_matches_the_reference_bit_for_bit() {
+        let mut rng = super::super::rng::Rng::new(5);
+        let mut row = vec![0f32; 32 * 64];
+        for round in 0..200 {
+            // Mix of magnitudes (down to subnormal and up to 1e30), exact ties and zeros.
+            for (i, x) in row.iter_mut().enumerate() {
+                let mag = [1e-42f32, 1e-30, 1e-3, 0.02, 1.0, 7.0, 3e4, 1e30][(i / 32 + round) % 8];
+                *x = rng.normal() * mag;
+                if i % 7 == 0 {
+                    *x = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0][i % 8]
+                        * 2f32.powi(round as i32 % 9 - 4);
+                }
+            }
+            let (mut p1, mut s1) = (vec![0u8; row.len() / 2], vec![0u8; row.len() / 32]);
+            let (mut p2, mut s2) = (p1.clone(), s1.clone());
+            quantize_row(&row, &mut p1, &mut s1);
+            quantize_row_reference(&row, &mut p2, &mut s2);
+            assert_eq!(s1, s2, "round {round}");
+            assert_eq!(p1, p2, "round {round}");
+        }
     }
 
     #[test]

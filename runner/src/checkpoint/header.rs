@@ -44,18 +44,40 @@ pub struct ShardHeader {
     pub entries: Vec<HeaderEntry>,
 }
 
-/// Bits per element of a safetensors dtype string (all dtypes of safetensors 0.8).
+/// Every safetensors 0.8 dtype with its bits per element.
+const DTYPES: [(&str, u64); 22] = [
+    ("BOOL", 8),
+    ("F4", 4),
+    ("F6_E2M3", 6),
+    ("F6_E3M2", 6),
+    ("U8", 8),
+    ("I8", 8),
+    ("F8_E5M2", 8),
+    ("F8_E4M3", 8),
+    ("F8_E8M0", 8),
+    ("F8_E4M3FNUZ", 8),
+    ("F8_E5M2FNUZ", 8),
+    ("I16", 16),
+    ("U16", 16),
+    ("F16", 16),
+    ("BF16", 16),
+    ("I32", 32),
+    ("U32", 32),
+    ("F32", 32),
+    ("I64", 64),
+    ("U64", 64),
+    ("F64", 64),
+    ("C64", 64),
+];
+
+/// Bits per element of a safetensors dtype string.
 pub fn dtype_bits(dtype: &str) -> Option<u64> {
-    Some(match dtype {
-        "F4" => 4,
-        "F6_E2M3" | "F6_E3M2" => 6,
-        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ"
-        | "F8_E5M2FNUZ" => 8,
-        "I16" | "U16" | "F16" | "BF16" => 16,
-        "I32" | "U32" | "F32" => 32,
-        "I64" | "U64" | "F64" | "C64" => 64,
-        _ => return None,
-    })
+    DTYPES.iter().find(|(n, _)| *n == dtype).map(|&(_, b)| b)
+}
+
+/// The static spelling of a known dtype (so per-tensor records need no allocation).
+pub fn canonical_dtype(dtype: &str) -> Option<&'static str> {
+    DTYPES.iter().find(|(n, _)| *n == dtype).map(|&(n, _)| n)
 }
 
 fn io_err(file: &Path, what: &'static str, source: std::io::Error) -> CheckpointError {

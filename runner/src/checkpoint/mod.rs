@@ -32,7 +32,7 @@ pub mod error;
 pub mod header;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -84,20 +84,53 @@ impl Default for OpenOptions {
 #[derive(Clone, Debug)]
 struct Entry {
     shard: usize,
-    dtype: String,
-    shape: Vec<usize>,
+    dtype: &'static str,
+    shape: Box<[usize]>,
     /// Relative to the shard's data section.
     begin: u64,
     end: u64,
+}
+
+/// Every tensor of the checkpoint: names in file order, entries parallel to them, and a
+/// name-sorted permutation for lookups. Each name is stored once (K3 has 497,220 tensors).
+#[derive(Debug, Default)]
+struct Table {
+    names: Vec<String>,
+    entries: Vec<Entry>,
+    sorted: Vec<u32>,
+}
+
+impl Table {
+    fn push(&mut self, name: String, e: Entry) {
+        self.names.push(name);
+        self.entries.push(e);
+    }
+    /// Sort the lookup permutation; returns a duplicated name if there is one.
+    fn finish(&mut self) -> Option<&str> {
+        let n = u32::try_from(self.names.len()).expect("invariant: fewer than 2^32 tensors");
+        self.sorted = (0..n).collect();
+        let names = &self.names;
+        self.sorted
+            .sort_unstable_by(|&a, &b| names[a as usize].cmp(&names[b as usize]));
+        self.sorted
+            .windows(2)
+            .find(|w| names[w[0] as usize] == names[w[1] as usize])
+            .map(|w| names[w[0] as usize].as_str())
+    }
+    fn get(&self, name: &str) -> Option<&Entry> {
+        let k = self
+            .sorted
+            .binary_search_by(|&i| self.names[i as usize].as_str().cmp(name))
+            .ok()?;
+        Some(&self.entries[self.sorted[k] as usize])
+    }
 }
 
 /// An opened, validated checkpoint.
 pub struct Checkpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
-    entries: HashMap<String, Entry>,
-    /// Names in file order (shard, offset).
-    order: Vec<String>,
+    table: Table,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -105,7 +138,7 @@ impl std::fmt::Debug for Checkpoint {
         f.debug_struct("Checkpoint")
             .field("dir", &self.dir)
             .field("n_shards", &self.shards.len())
-            .field("n_tensors", &self.order.len())
+            .field("n_tensors", &self.table.names.len())
             .finish()
     }
 }
@@ -246,8 +279,7 @@ impl Checkpoint {
             }
         }
         let mut shards = Vec::with_capacity(by_file.len());
-        let mut entries = HashMap::new();
-        let mut order = Vec::new();
+        let mut table = Table::default();
         // Every shard the index names must exist before any header is judged, so an index
         // pointing at a missing file is reported as that, not as a mismatch elsewhere.
         for (file_name, names) in &by_file {
@@ -268,27 +300,19 @@ impl Checkpoint {
                 cross_check_index(&header, &index_path, map, file_name, names)?;
             }
             let shard_idx = shards.len();
-            for e in &header.entries {
-                order.push(e.name.clone());
-                let prev = entries.insert(
+            for e in header.entries.iter() {
+                let dtype = header::canonical_dtype(&e.dtype)
+                    .expect("invariant: read_shard_header rejects unknown dtypes");
+                table.push(
                     e.name.clone(),
                     Entry {
                         shard: shard_idx,
-                        dtype: e.dtype.clone(),
-                        shape: e.shape.clone(),
+                        dtype,
+                        shape: e.shape.clone().into_boxed_slice(),
                         begin: e.begin,
                         end: e.end,
                     },
                 );
-                if prev.is_some() {
-                    // Only reachable without an index (single file, where JSON keys are unique)
-                    // or with an index that maps one name to two files (impossible: a map).
-                    return Err(CheckpointError::NotInIndex {
-                        file: path.clone(),
-                        index: index_path.clone(),
-                        tensor: e.name.clone(),
-                    });
-                }
             }
             let mmap = map_shard(&header)?;
             shards.push(Shard {
@@ -298,11 +322,22 @@ impl Checkpoint {
                 mmap,
             });
         }
+        if let Some(dup) = table.finish() {
+            // Only reachable with an index whose cross-check passed for two shards holding
+            // the same name, which a JSON map cannot express; kept as an error, not a panic.
+            let tensor = dup.to_string();
+            return Err(CheckpointError::NotInIndex {
+                file: table
+                    .get(&tensor)
+                    .map_or_else(|| dir.to_path_buf(), |e| shards[e.shard].path.clone()),
+                index: index_path,
+                tensor,
+            });
+        }
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             shards,
-            entries,
-            order,
+            table,
         })
     }
 
@@ -320,7 +355,7 @@ impl Checkpoint {
         let missing: Vec<&TensorDecl> = spec
             .tensors
             .iter()
-            .filter(|d| !self.entries.contains_key(&d.name))
+            .filter(|d| self.table.get(&d.name).is_none())
             .collect();
         if let Some(first) = missing.first() {
             return Err(CheckpointError::MissingTensor {
@@ -331,35 +366,38 @@ impl Checkpoint {
             });
         }
         for d in &spec.tensors {
-            let e = &self.entries[&d.name];
+            let Some(e) = self.table.get(&d.name) else {
+                continue; // unreachable: missing tensors were reported above
+            };
             let file = self.shards[e.shard].path.clone();
             if e.dtype != d.dtype.as_str() {
                 return Err(CheckpointError::WrongDtype {
                     file,
                     tensor: d.name.clone(),
                     expected: d.dtype.as_str().to_string(),
-                    found: e.dtype.clone(),
+                    found: e.dtype.to_string(),
                 });
             }
-            if e.shape != d.shape {
+            if *e.shape != *d.shape {
                 return Err(CheckpointError::WrongShape {
                     file,
                     tensor: d.name.clone(),
                     expected: d.shape.clone(),
-                    found: e.shape.clone(),
+                    found: e.shape.to_vec(),
                 });
             }
         }
         let declared: std::collections::HashSet<&str> =
             spec.tensors.iter().map(|d| d.name.as_str()).collect();
         let unexpected: Vec<&String> = self
-            .order
+            .table
+            .names
             .iter()
             .filter(|n| !is_ignored(spec, n) && !declared.contains(n.as_str()))
             .collect();
         if let Some(first) = unexpected.first() {
             return Err(CheckpointError::UnexpectedTensor {
-                file: self.shards[self.entries[*first].shard].path.clone(),
+                file: self.path_of(first),
                 model: spec.name.clone(),
                 tensor: (*first).clone(),
                 more: unexpected.len() - 1,
@@ -428,7 +466,7 @@ impl Checkpoint {
     }
 
     fn path_of(&self, name: &str) -> PathBuf {
-        self.entries.get(name).map_or_else(
+        self.table.get(name).map_or_else(
             || self.index_or_dir(),
             |e| self.shards[e.shard].path.clone(),
         )
@@ -451,24 +489,22 @@ impl Checkpoint {
 
     /// Sum of all tensor payloads (what the index's `metadata.total_size` counts).
     pub fn total_tensor_bytes(&self) -> u64 {
-        self.entries.values().map(|e| e.end - e.begin).sum()
+        self.table.entries.iter().map(|e| e.end - e.begin).sum()
     }
 
     /// Every tensor name, in file order (shard by shard, by offset).
     pub fn tensor_names(&self) -> &[String] {
-        &self.order
+        &self.table.names
     }
 
     /// Header facts of a tensor: (dtype string, shape).
     pub fn info(&self, name: &str) -> Option<(&str, &[usize])> {
-        self.entries
-            .get(name)
-            .map(|e| (e.dtype.as_str(), e.shape.as_slice()))
+        self.table.get(name).map(|e| (e.dtype, &*e.shape))
     }
 
     /// The raw bytes of a tensor by name, `None` if the checkpoint does not hold it.
     pub fn try_bytes(&self, name: &str) -> Option<&[u8]> {
-        let e = self.entries.get(name)?;
+        let e = self.table.get(name)?;
         let s = &self.shards[e.shard];
         let start = usize::try_from(s.data_start + e.begin).ok()?;
         let end = usize::try_from(s.data_start + e.end).ok()?;
@@ -486,7 +522,7 @@ impl Checkpoint {
 
     /// Absolute location of a tensor (for O_DIRECT readers and the trunk packer).
     pub fn try_location(&self, name: &str) -> Option<TensorLocation> {
-        let e = self.entries.get(name)?;
+        let e = self.table.get(name)?;
         let s = &self.shards[e.shard];
         Some(TensorLocation {
             shard_path: s.path.clone(),
@@ -510,7 +546,7 @@ impl Checkpoint {
         let mut es: Vec<(&str, &Entry)> = Vec::with_capacity(decls.len());
         for d in decls {
             let e = self
-                .entries
+                .table
                 .get(&d.name)
                 .ok_or_else(|| self.unknown(&d.name))?;
             es.push((&d.name, e));

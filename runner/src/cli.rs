@@ -9,13 +9,15 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use k3_models::spec::ModelSpec;
 
 use crate::checkpoint::Checkpoint;
-use crate::exec::{ExecError, Executor, Providers};
+use crate::exec::{ExecError, Executor};
 use crate::plan::Plan;
-use crate::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 use crate::run::{self, GenRequest};
 use crate::weights::WeightError;
 
@@ -53,8 +55,72 @@ pub enum Command {
     Synth(crate::synth::SynthArgs),
     /// Print the execution plan for a checkpoint (layers, bytes, state, scratch).
     Plan(PlanCli),
+    /// Pack the dense trunk into one file (trunk.bin + trunk.json) for streaming, once.
+    PackTrunk(PackCli),
+    /// Replay an expert-request trace under LRU and Belady's optimum at several capacities.
+    SimCache(SimCli),
     /// Print exactly what the model will see for a transcript plus the generation prompt.
     RenderChat(crate::chat::RenderChatArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PackCli {
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// Output directory for trunk.bin + trunk.json.
+    pub trunk_dir: PathBuf,
+    /// Model manifest (default: the built-in kimi-k3 manifest).
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct SimCli {
+    /// expert_trace.bin written by --dump-cache-trace.
+    pub trace: PathBuf,
+    /// Capacities to simulate, in experts (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8,16,32,64,128,256,512,1024"
+    )]
+    pub capacities: Vec<usize>,
+    /// Bytes of one expert (to print capacities in GB).
+    #[arg(long)]
+    pub expert_bytes: Option<u64>,
+}
+
+/// Memory and I/O flags (SYSTEM.md §5). For the two budgets, the later of `--preset` and the
+/// explicit flag on the command line wins.
+#[derive(Args, Debug, Default, Clone)]
+pub struct MemArgs {
+    /// Packed trunk directory (from `k3-run pack-trunk`): stream the dense trunk.
+    #[arg(long)]
+    pub trunk: Option<PathBuf>,
+    /// Memory preset: ultra, laptop, desktop, workstation, server, max, or a preset TOML file.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Trunk budget in GB (pinned prefix + ring slots); fractions allowed.
+    #[arg(long)]
+    pub trunk_gb: Option<f64>,
+    /// Routed-expert cache budget in GB; fractions allowed (0 = no caching).
+    #[arg(long)]
+    pub cache_gb: Option<f64>,
+    /// Ring slots for streamed layers (default 2; the budget wins).
+    #[arg(long, default_value_t = 2)]
+    pub trunk_ring: usize,
+    /// Stream embedding rows and lm_head chunks instead of keeping them resident.
+    #[arg(long)]
+    pub ultra_low_memory: bool,
+    /// I/O policy: direct (default), mmap, or a policy TOML file.
+    #[arg(long, default_value = "direct")]
+    pub io: String,
+    /// Write every (layer, expert) request (expert_trace.bin) and a histogram here.
+    #[arg(long)]
+    pub dump_cache_trace: Option<PathBuf>,
+    /// Print the preset table and exit.
+    #[arg(long)]
+    pub list_presets: bool,
 }
 
 #[derive(Args, Debug)]
@@ -78,7 +144,6 @@ pub struct PlanCli {
 #[derive(Args, Debug, Default, Clone)]
 pub struct RunArgs {
     /// Checkpoint directory (config.json, safetensors shards + index).
-    #[arg(required = true)]
     pub model_dir: Option<PathBuf>,
     /// Prompt token ids, comma-separated (no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
@@ -96,7 +161,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub max_context: Option<usize>,
     #[command(flatten)]
+    pub mem: MemArgs,
+    #[command(flatten)]
     pub chat: crate::chat::ChatArgs,
+    /// Command-line positions of --preset / --trunk-gb / --cache-gb (filled by `main`).
+    #[arg(skip)]
+    pub order: FlagOrder,
     /// Number of tokens to generate (max 4096).
     #[arg(long = "gen", default_value_t = 8)]
     pub n_gen: usize,
@@ -214,17 +284,125 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
     ids.map_err(|e| Failure::usage(e.to_string()))
 }
 
+/// Where --preset, --trunk-gb and --cache-gb appeared on the command line (later wins).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FlagOrder {
+    pub preset: Option<usize>,
+    pub trunk_gb: Option<usize>,
+    pub cache_gb: Option<usize>,
+}
+
+fn later(flag: Option<(usize, f64)>, preset: Option<(usize, f64)>) -> Option<f64> {
+    match (flag, preset) {
+        (Some((fi, f)), Some((pi, p))) => Some(if fi > pi { f } else { p }),
+        (Some((_, f)), None) => Some(f),
+        (None, Some((_, p))) => Some(p),
+        (None, None) => None,
+    }
+}
+
+/// Resolve the memory flags into settings (budgets: the later of preset and flag wins).
+pub fn memory_settings(
+    a: &RunArgs,
+) -> Result<(crate::session::MemorySettings, Vec<String>), Failure> {
+    use crate::stream::{gb_to_bytes, io_policy, presets};
+    let m = &a.mem;
+    let mut notes = Vec::new();
+    let preset = match &m.preset {
+        Some(p) => Some(presets::load_preset(p).map_err(|e| Failure::usage(e.to_string()))?),
+        None => None,
+    };
+    let ord = a.order;
+    let pi = ord.preset.unwrap_or(0);
+    let trunk_gb = later(
+        m.trunk_gb.map(|v| (ord.trunk_gb.unwrap_or(1), v)),
+        preset.as_ref().map(|p| (pi, p.trunk_gb)),
+    );
+    let cache_gb = later(
+        m.cache_gb.map(|v| (ord.cache_gb.unwrap_or(1), v)),
+        preset.as_ref().map(|p| (pi, p.cache_gb)),
+    );
+    if let Some(p) = &preset {
+        notes.push(format!(
+            "preset {}: trunk {:.2} GB, expert cache {:.2} GB{} (effective: trunk {}, cache {})",
+            p.name,
+            p.trunk_gb,
+            p.cache_gb,
+            if p.ultra_low_memory {
+                ", ultra-low-memory"
+            } else {
+                ""
+            },
+            trunk_gb.map_or("-".into(), |v| format!("{v:.3} GB")),
+            cache_gb.map_or("-".into(), |v| format!("{v:.3} GB")),
+        ));
+        if m.trunk.is_none() {
+            notes.push(format!(
+                "warning: preset {} assumes a packed trunk (--trunk DIR from `k3-run pack-trunk`); without it the trunk is resident",
+                p.name
+            ));
+        }
+    }
+    let to_bytes = |v: Option<f64>, what: &str| -> Result<Option<u64>, Failure> {
+        v.map(|g| gb_to_bytes(g, what))
+            .transpose()
+            .map_err(|e| Failure::usage(e.to_string()))
+    };
+    let io = io_policy::load_io_policy(&m.io).map_err(|e| Failure::usage(e.to_string()))?;
+    let settings = crate::session::MemorySettings {
+        trunk_dir: m.trunk.clone(),
+        trunk_budget_bytes: if m.trunk.is_some() {
+            to_bytes(trunk_gb, "--trunk-gb")?
+        } else {
+            None
+        },
+        cache_budget_bytes: to_bytes(cache_gb, "--cache-gb")?,
+        ring_slots: m.trunk_ring.max(1),
+        ultra_low_memory: m.ultra_low_memory
+            || preset
+                .as_ref()
+                .is_some_and(|p| p.ultra_low_memory && m.trunk.is_some()),
+        io,
+        trace_experts: m.dump_cache_trace.is_some(),
+    };
+    Ok((settings, notes))
+}
+
+fn stream_failure(e: crate::stream::StreamError) -> Failure {
+    use crate::stream::StreamError;
+    let code = match &e {
+        StreamError::Config(_) | StreamError::Plan(_) => exit::USAGE,
+        _ => exit::FORWARD,
+    };
+    Failure {
+        code,
+        msg: e.to_string(),
+    }
+}
+
 fn run_main(a: &RunArgs) -> Result<u8, Failure> {
+    if a.mem.list_presets {
+        let t =
+            crate::stream::presets::list_presets().map_err(|e| Failure::usage(e.to_string()))?;
+        print!("{t}");
+        return Ok(exit::OK);
+    }
     if a.chat.chat {
         return chat_main(a);
     }
     let model_dir = a
         .model_dir
         .as_deref()
-        .ok_or_else(|| Failure::usage("a model directory is required"))?;
+        .ok_or_else(|| Failure::usage("a model directory is required (see --help)"))?;
     let prompt = prompt_ids(a)?;
     if prompt.is_empty() {
         return Err(Failure::usage("the prompt is empty"));
+    }
+    if prompt.len() > 32768 {
+        return Err(Failure::usage(format!(
+            "the prompt has {} tokens; the maximum is 32768",
+            prompt.len()
+        )));
     }
     if a.n_gen > 4096 {
         return Err(Failure::usage(format!(
@@ -235,6 +413,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.stop_ids.len() > 8 {
         return Err(Failure::usage("at most 8 --stop-id values"));
     }
+    let (settings, notes) = memory_settings(a)?;
     let spec = load_spec(model_dir, a.manifest.as_deref(), a.config.as_deref())?;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
         return Err(Failure::usage(format!(
@@ -253,30 +432,35 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         .max(prompt.len() + a.n_gen);
     let plan = Plan::new(&spec, positions);
     eprintln!(
-        "k3-run: {} ({} layers, d_model {}, vocab {}), {} threads, {} ISA",
+        "k3-run {}: {} ({} layers, d_model {}, vocab {}), {} threads, {} kernels",
+        env!("CARGO_PKG_VERSION"),
         spec.name,
         spec.n_layers,
         spec.d_model,
         spec.vocab_size,
         threads,
-        format!("{:?}", k3_kernels::isa::active()).to_lowercase()
+        k3_kernels::isa::active().name()
     );
-    eprintln!(
-        "memory plan: trunk resident {:.3} GB, experts resident {:.3} GB, decode state {:.3} MB for {} positions",
-        plan.trunk_bytes() as f64 / 1e9,
-        plan.expert_bytes() as f64 / 1e9,
-        plan.state_bytes_for(positions) as f64 / 1e6,
-        positions
+    for n in &notes {
+        eprintln!("{n}");
+    }
+    let mut session =
+        crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
+    eprintln!("memory plan:");
+    for l in &session.startup {
+        eprintln!("  {l}");
+    }
+    let state_line = crate::session::check_state(&plan, positions, session.planned_bytes)
+        .map_err(stream_failure)?;
+    eprintln!("  {state_line}");
+    let interrupted = Arc::new(AtomicBool::new(false));
+    // first Ctrl-C: finish the step in progress and stop; second: the default action (kill)
+    let _ = signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        130,
+        Arc::clone(&interrupted),
     );
-    let bind = |e: WeightError| Failure {
-        code: exit::FORWARD,
-        msg: e.to_string(),
-    };
-    let mut providers = Providers {
-        trunk: Box::new(ResidentTrunk::new(&spec, &ckpt).map_err(bind)?),
-        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
-        global: Box::new(ResidentGlobal::new(&spec, &ckpt).map_err(bind)?),
-    };
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
     let mut exec = Executor::new(&spec, plan, threads);
     let req = GenRequest {
         prompt_ids: prompt,
@@ -284,15 +468,35 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         incremental: a.incremental,
         stop_ids: a.stop_ids.clone(),
     };
+    let providers = &mut session.providers;
     let mut on_token = |i: usize, id: u32, t: f64| {
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
-        true
+        !interrupted.load(Ordering::Relaxed)
     };
-    let res = run::generate(&spec, &mut exec, &mut providers, &req, &mut on_token)
-        .map_err(exec_failure)?;
+    let res = run::generate(&spec, &mut exec, providers, &req, &mut on_token);
+    let res = match res {
+        Ok(r) => r,
+        Err(e) => {
+            let expert_failures = providers.experts.stats().load_failures;
+            let f = exec_failure(e);
+            if expert_failures > 0 {
+                return Err(Failure {
+                    code: exit::EXPERT_LOAD,
+                    msg: f.msg,
+                });
+            }
+            return Err(f);
+        }
+    };
     let trunk = providers.trunk.stats();
     let experts = providers.experts.stats();
     let peak = run::peak_rss_bytes();
+    let total_io = trunk.read_seconds + experts.read_seconds;
+    let io_share = if res.total_seconds > 0.0 {
+        total_io / res.total_seconds
+    } else {
+        0.0
+    };
     println!("generated ids: {:?}", res.generated_ids);
     println!(
         "first token {:.3} s, decode {:.4} s/token ({} mode), first-step logits hash {}",
@@ -306,16 +510,39 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         res.first_logits_hash
     );
     println!(
-        "expert cache: requests {} hits {} misses {} evictions {} TRUE resident hit rate {:.1}%",
+        "expert cache: requests {} hits {} misses {} evictions {} | TRUE resident hit rate {:.2}% (raw hit rate {:.2}%)",
         experts.requests,
         experts.hits,
         experts.misses,
         experts.evictions,
-        100.0 * experts.resident_hit_rate()
+        100.0 * experts.resident_hit_rate(),
+        if experts.requests > 0 {
+            100.0 * experts.hits as f64 / experts.requests as f64
+        } else {
+            0.0
+        }
     );
     println!(
-        "trunk: {}/{} layers pinned, {} bytes read",
-        trunk.pinned_layers, trunk.n_layers, trunk.bytes_read
+        "I/O share of wall clock: {:.1}% (trunk {:.3} s + experts {:.3} s of {:.3} s)",
+        100.0 * io_share,
+        trunk.read_seconds,
+        experts.read_seconds,
+        res.total_seconds
+    );
+    println!(
+        "trunk: pinned {}/{} layers, ring {} x {}, {:.3} GB read in {:.3} s ({:.0} MB/s){}",
+        trunk.pinned_layers,
+        trunk.n_layers,
+        trunk.ring_slots,
+        crate::stream::fmt_bytes(trunk.ring_slot_bytes),
+        trunk.bytes_read as f64 / 1e9,
+        trunk.read_seconds,
+        if trunk.read_seconds > 0.0 {
+            trunk.bytes_read as f64 / 1e6 / trunk.read_seconds
+        } else {
+            0.0
+        },
+        if trunk.o_direct { ", O_DIRECT" } else { "" }
     );
     println!(
         "PEAK RSS {:.1} MB (getrusage; quote this, not the plan)",
@@ -332,7 +559,17 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             msg: format!("cannot write --dump-logits {}: {e}", p.display()),
         })?;
     }
-    let total_io = trunk.read_seconds + experts.read_seconds;
+    if let (Some(dir), Some(t)) = (&a.mem.dump_cache_trace, providers.experts.trace()) {
+        crate::stream::trace::write_trace(dir, t).map_err(|e| Failure {
+            code: exit::OUT_WRITE,
+            msg: e.to_string(),
+        })?;
+        eprintln!(
+            "expert trace: {} requests written to {}",
+            t.len(),
+            dir.display()
+        );
+    }
     let json = serde_json::json!({
         "model": spec.name,
         "prompt_ids": res.prompt_ids,
@@ -340,25 +577,29 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "first_logits_hash": res.first_logits_hash,
         "incremental": a.incremental,
         "threads": threads,
-        "isa": format!("{:?}", k3_kernels::isa::active()).to_lowercase(),
+        "isa": k3_kernels::isa::active().name(),
         "prefill_seconds": res.prefill_seconds,
         "first_token_seconds": res.first_token_seconds,
+        "pinned_load_seconds": session.pinned_load_seconds,
         "seconds_per_token": res.seconds_per_token,
         "total_seconds": res.total_seconds,
         "peak_rss_bytes": peak,
         "stopped_by": res.stopped_by,
+        "memory_plan": session.startup,
         "trunk": trunk,
         "experts": {
             "requests": experts.requests,
             "hits": experts.hits,
             "misses": experts.misses,
             "evictions": experts.evictions,
+            "resident_hits": experts.resident_hits,
             "resident_hit_rate": experts.resident_hit_rate(),
             "bytes_read": experts.bytes_read,
             "read_seconds": experts.read_seconds,
             "load_failures": experts.load_failures,
+            "budget_bytes": experts.budget_bytes,
         },
-        "io_share": if res.total_seconds > 0.0 { total_io / res.total_seconds } else { 0.0 },
+        "io_share": io_share,
     });
     let text = serde_json::to_string_pretty(&json).map_err(|e| Failure {
         code: exit::OUT_WRITE,
@@ -368,15 +609,27 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         code: exit::OUT_WRITE,
         msg: format!("cannot write --out {}: {e}", a.out.display()),
     })?;
+    if experts.load_failures > 0 {
+        eprintln!(
+            "k3-run: {} routed expert loads failed: the ids are not trustworthy",
+            experts.load_failures
+        );
+        return Ok(exit::EXPERT_LOAD);
+    }
+    if res.stopped_by.as_deref() == Some("interrupted") {
+        eprintln!("k3-run: stopped by Ctrl-C; report and --out written");
+        return Ok(exit::INTERRUPTED);
+    }
     Ok(exit::OK)
 }
 
-/// `--chat`: load the model resident and hand it to the REPL.
+/// `--chat`: load the model (memory flags apply) and hand it to the REPL.
 fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     let model_dir = a
         .model_dir
         .as_deref()
         .ok_or_else(|| Failure::usage("a model directory is required"))?;
+    let (settings, notes) = memory_settings(a)?;
     let spec = load_spec(model_dir, a.manifest.as_deref(), a.config.as_deref())?;
     let ckpt = Checkpoint::open(model_dir, &spec).map_err(|e| Failure {
         code: exit::FORWARD,
@@ -384,17 +637,20 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     })?;
     let threads = a.threads.unwrap_or_else(default_threads).max(1);
     let positions = a.max_context.unwrap_or(8192);
-    let bind = |e: WeightError| Failure {
-        code: exit::FORWARD,
-        msg: e.to_string(),
-    };
-    let mut providers = Providers {
-        trunk: Box::new(ResidentTrunk::new(&spec, &ckpt).map_err(bind)?),
-        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
-        global: Box::new(ResidentGlobal::new(&spec, &ckpt).map_err(bind)?),
-    };
-    let mut exec = Executor::new(&spec, Plan::new(&spec, positions), threads);
-    crate::chat::repl_main(&spec, &mut exec, &mut providers, a)
+    let plan = Plan::new(&spec, positions);
+    for n in &notes {
+        eprintln!("{n}");
+    }
+    let mut session =
+        crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
+    for l in &session.startup {
+        eprintln!("  {l}");
+    }
+    let state_line = crate::session::check_state(&plan, positions, session.planned_bytes)
+        .map_err(stream_failure)?;
+    eprintln!("  {state_line}");
+    let mut exec = Executor::new(&spec, plan, threads);
+    crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
 }
 
 /// Write a file via a temporary name and rename, so a reader never sees half a file.
@@ -402,6 +658,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp-k3run");
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
+}
+
+fn pack_main(p: &PackCli) -> Result<u8, Failure> {
+    let spec = load_spec(&p.model_dir, p.manifest.as_deref(), None)?;
+    let r = crate::stream::pack::run(&p.model_dir, &spec, &p.trunk_dir).map_err(stream_failure)?;
+    println!("{}", r.summary());
+    Ok(exit::OK)
+}
+
+fn sim_main(p: &SimCli) -> Result<u8, Failure> {
+    let recs =
+        crate::stream::trace::read_trace(&p.trace).map_err(|e| Failure::usage(e.to_string()))?;
+    print!(
+        "{}",
+        crate::stream::trace::sim_table(&recs, &p.capacities, p.expert_bytes)
+    );
+    Ok(exit::OK)
 }
 
 fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
@@ -418,7 +691,21 @@ fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
 
 /// Entry point used by `main`.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    cli.run.order = FlagOrder {
+        preset: matches.index_of("preset"),
+        trunk_gb: matches.index_of("trunk_gb"),
+        cache_gb: matches.index_of("cache_gb"),
+    };
+    // K3_ISA naming an unknown or unavailable path is a usage error, not a silent fallback.
+    if let Err(e) = k3_kernels::isa::env_override() {
+        eprintln!("k3-run: error: K3_ISA: {e}");
+        return ExitCode::from(exit::USAGE);
+    }
     let r = match &cli.command {
         Some(Command::Plan(p)) => plan_main(p),
         Some(Command::Synth(s)) => match crate::synth::run(s) {
@@ -437,6 +724,8 @@ pub fn main() -> ExitCode {
             Err(e) => Err(Failure::usage(e.to_string())),
         },
         Some(Command::RenderChat(r)) => crate::chat::render_chat_main(r),
+        Some(Command::PackTrunk(p)) => pack_main(p),
+        Some(Command::SimCache(p)) => sim_main(p),
         None => run_main(&cli.run),
     };
     match r {

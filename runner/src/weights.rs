@@ -121,6 +121,10 @@ pub trait ExpertSource: Send {
     fn experts(&mut self, layer: usize, ids: &[u32])
     -> Result<Vec<ExpertWeights<'_>>, WeightError>;
     fn stats(&self) -> ExpertStats;
+    /// The (layer, expert) request trace, when the provider records one (`--dump-cache-trace`).
+    fn trace(&self) -> Option<&[(u32, u32)]> {
+        None
+    }
 }
 
 /// Supplies the global tensors.

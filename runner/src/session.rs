@@ -1,0 +1,195 @@
+//! Session assembly: memory settings (preset, budgets, I/O policy) -> weight providers.
+//!
+//! Owns: the decision of which provider serves the trunk (resident, streamed with pinned
+//! prefix + ring slots, or plain mmap), the routed experts (resident or the budgeted cache) and
+//! the global tensors (resident or ultra-low-memory), and the start-up lines that say so.
+//! Must not: compute, or change any byte the executor sees (NUMERICS.md §1: output bits do not
+//! depend on any setting chosen here).
+
+use std::path::PathBuf;
+
+use k3_models::spec::ModelSpec;
+
+use crate::checkpoint::Checkpoint;
+use crate::exec::Providers;
+use crate::plan::Plan;
+use crate::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+use crate::stream::experts::{ExpertCache, ExpertCacheOptions};
+use crate::stream::global::{GlobalOptions, StreamedGlobal};
+use crate::stream::io_policy::{IoPolicy, TrunkIo};
+use crate::stream::plan::{StateMemory, check_state_memory, memory_limit_bytes};
+use crate::stream::trunk::{MmapTrunk, StreamedTrunk, TrunkOptions};
+use crate::stream::{StreamError, fmt_bytes};
+
+/// Everything that decides where the weights live. Output bits never depend on it.
+#[derive(Clone, Debug)]
+pub struct MemorySettings {
+    /// Packed trunk directory (`pack-trunk` output); `None` = resident trunk.
+    pub trunk_dir: Option<PathBuf>,
+    /// Trunk budget (pinned prefix + ring slots); `None` with a trunk = pin everything.
+    pub trunk_budget_bytes: Option<u64>,
+    /// Expert-cache budget; `None` = experts resident (memory-mapped).
+    pub cache_budget_bytes: Option<u64>,
+    pub ring_slots: usize,
+    pub ultra_low_memory: bool,
+    pub io: IoPolicy,
+    /// Record every (layer, expert) request (`--dump-cache-trace`).
+    pub trace_experts: bool,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        MemorySettings {
+            trunk_dir: None,
+            trunk_budget_bytes: None,
+            cache_budget_bytes: None,
+            ring_slots: 2,
+            ultra_low_memory: false,
+            io: IoPolicy::direct(),
+            trace_experts: false,
+        }
+    }
+}
+
+/// Assembled providers and the memory-plan lines to print at start.
+pub struct Session<'c> {
+    pub providers: Providers<'c>,
+    pub startup: Vec<String>,
+    /// Bytes the plan holds in RAM (pinned + ring + cache + resident globals), for the state
+    /// check. Memory-mapped resident weights are not counted: the page cache can drop them.
+    pub planned_bytes: u64,
+    /// Seconds spent loading the pinned prefix (first-token cost), if any.
+    pub pinned_load_seconds: f64,
+}
+
+/// Build the providers for `settings`.
+pub fn build<'c>(
+    spec: &'c ModelSpec,
+    ckpt: &'c Checkpoint,
+    plan: &Plan,
+    m: &MemorySettings,
+) -> Result<Session<'c>, StreamError> {
+    let mut startup = Vec::new();
+    let mut planned = 0u64;
+    let mut pinned_load_seconds = 0.0;
+    if m.ultra_low_memory && m.trunk_dir.is_none() {
+        return Err(StreamError::Config(
+            "--ultra-low-memory streams embedding rows and lm_head chunks and needs a packed trunk (--trunk DIR)"
+                .into(),
+        ));
+    }
+    let bind = |e: crate::weights::WeightError| StreamError::Invalid(e.to_string());
+    let trunk: Box<dyn crate::weights::TrunkSource + 'c> = match &m.trunk_dir {
+        None => {
+            startup.push(format!(
+                "trunk: resident ({}, memory-mapped checkpoint shards)",
+                fmt_bytes(plan.trunk_bytes())
+            ));
+            Box::new(ResidentTrunk::new(spec, ckpt).map_err(bind)?)
+        }
+        Some(dir) => match m.io.trunk {
+            TrunkIo::Direct => {
+                let opts = TrunkOptions {
+                    budget_bytes: m.trunk_budget_bytes.unwrap_or(plan.trunk_bytes()),
+                    ring_slots: m.ring_slots,
+                    o_direct: m.io.o_direct,
+                    read_threads: m.io.read_threads,
+                    preload_pinned: true,
+                    active_layers: None,
+                };
+                if m.trunk_budget_bytes.is_none() {
+                    startup.push(
+                        "trunk: no --trunk-gb or --preset given: budget = the whole trunk".into(),
+                    );
+                }
+                let t = StreamedTrunk::open(dir, spec, &opts)?;
+                startup.extend(t.startup_lines());
+                planned += t.plan().planned_bytes();
+                pinned_load_seconds = t.pinned_load_seconds();
+                Box::new(t)
+            }
+            TrunkIo::Mmap => {
+                let t = MmapTrunk::open(dir, spec)?;
+                startup.extend(t.startup_lines());
+                Box::new(t)
+            }
+        },
+    };
+    let experts: Box<dyn crate::weights::ExpertSource + 'c> = match m.cache_budget_bytes {
+        None => {
+            startup.push(format!(
+                "experts: resident ({}, memory-mapped checkpoint shards)",
+                fmt_bytes(plan.expert_bytes())
+            ));
+            Box::new(ResidentExperts::new(spec, ckpt))
+        }
+        Some(budget) => {
+            let opts = ExpertCacheOptions {
+                budget_bytes: budget,
+                o_direct: m.io.o_direct,
+                read_threads: m.io.read_threads,
+            };
+            let mut c = ExpertCache::new(spec, ckpt, &opts)?;
+            if m.trace_experts {
+                c.enable_trace();
+            }
+            startup.push(c.startup_line());
+            planned += budget;
+            Box::new(c)
+        }
+    };
+    let global: Box<dyn crate::weights::GlobalSource + 'c> = if m.ultra_low_memory {
+        let g = StreamedGlobal::new(
+            spec,
+            ckpt,
+            &GlobalOptions {
+                o_direct: m.io.o_direct,
+                ..GlobalOptions::default()
+            },
+        )?;
+        startup.push(g.startup_line());
+        Box::new(g)
+    } else {
+        planned += plan.global_bytes;
+        startup.push(format!(
+            "embedding + lm_head: resident ({})",
+            fmt_bytes(plan.global_bytes)
+        ));
+        Box::new(ResidentGlobal::new(spec, ckpt).map_err(bind)?)
+    };
+    Ok(Session {
+        providers: Providers {
+            trunk,
+            experts,
+            global,
+        },
+        startup,
+        planned_bytes: planned,
+        pinned_load_seconds,
+    })
+}
+
+/// Refuse up front a request whose decode state cannot fit (SYSTEM.md §5). Returns the line
+/// to print.
+pub fn check_state(
+    plan: &Plan,
+    positions: usize,
+    planned_bytes: u64,
+) -> Result<String, StreamError> {
+    let state = StateMemory {
+        bytes_per_position: plan.kv_bytes_per_position(),
+        fixed_bytes: plan.state_bytes(),
+        positions,
+    };
+    let line = format!(
+        "decode state: {} fixed (KDA) + {} per position (MLA KV) x {} positions = {}",
+        fmt_bytes(state.fixed_bytes),
+        fmt_bytes(state.bytes_per_position),
+        positions,
+        fmt_bytes(state.total())
+    );
+    if let Some(limit) = memory_limit_bytes() {
+        check_state_memory(&state, planned_bytes, limit)?;
+    }
+    Ok(line)
+}

@@ -1,0 +1,439 @@
+//! The `k3-run` binary end to end (SYSTEM.md §6 exit codes): help and version without a model,
+//! usage errors (exit 2) with a message, a config.json missing a needed key (exit 2 naming the
+//! key and the file), a real run on fixture A whose `--out` JSON and `--dump-logits` bytes match
+//! the independent reference, the `plan` subcommand, the `K3_ISA` override, and an unwritable
+//! `--out` (exit 3 after the run).
+//!
+//! Owns: black-box checks of the command line only. Must not: call the library (the library is
+//! covered by the conformance tests in `tests/tests/`); every expectation here comes from the
+//! fixture's reference files (`fixtures/models/A/ref/`, `ckpt/synth_manifest.json`) or from the
+//! documented CLI contract.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("runner/ lives inside the repository")
+        .to_path_buf()
+}
+
+fn fixture_a() -> PathBuf {
+    repo().join("fixtures/models/A/ckpt")
+}
+
+fn summary_a() -> Value {
+    let p = repo().join("fixtures/models/A/ref/summary.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("expected an id array, got {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id is an integer") as u32)
+        .collect()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn k3(args: &[&str]) -> Output {
+    k3_env(args, &[])
+}
+
+fn k3_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_k3-run"));
+    c.args(args).env_remove("K3_ISA");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("spawn k3-run")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status
+        .code()
+        .unwrap_or_else(|| panic!("k3-run killed by a signal; stderr:\n{}", stderr(o)))
+}
+
+/// Asserts the exit code and that stderr mentions every needle; returns stderr.
+fn expect_fail(o: &Output, want: i32, needles: &[&str]) -> String {
+    let err = stderr(o);
+    assert_eq!(code(o), want, "exit code; stderr:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
+    }
+    err
+}
+
+/// FNV-1a 64 over the little-endian bytes (the documented `first_logits_hash`).
+fn fnv1a(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn help_and_version_need_no_model() {
+    let o = k3(&["--help"]);
+    assert_eq!(code(&o), 0, "--help: {}", stderr(&o));
+    let out = stdout(&o);
+    for needle in ["Usage", "--ids", "--gen", "--out", "plan", "synth"] {
+        assert!(
+            out.contains(needle),
+            "--help should mention {needle}:\n{out}"
+        );
+    }
+    let o = k3(&["--version"]);
+    assert_eq!(code(&o), 0, "--version: {}", stderr(&o));
+    assert_eq!(
+        stdout(&o).trim(),
+        format!("k3-run {}", env!("CARGO_PKG_VERSION"))
+    );
+    let o = k3(&["plan", "--help"]);
+    assert_eq!(code(&o), 0);
+    assert!(stdout(&o).contains("--positions"));
+}
+
+#[test]
+fn usage_errors_exit_2_with_a_message() {
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("r.json");
+    let out = out.to_str().unwrap();
+    // no prompt source
+    let o = k3(&[a, "--gen", "1", "--out", out]);
+    expect_fail(&o, 2, &["exactly one of --ids, --prompt, --prompt-file"]);
+    // two prompt sources
+    let o = k3(&[a, "--ids", "1,2", "--prompt", "hi", "--out", out]);
+    expect_fail(&o, 2, &["exactly one of --ids, --prompt, --prompt-file"]);
+    // token id == vocab (256 for fixture A)
+    let o = k3(&[a, "--ids", "1,256", "--gen", "1", "--out", out]);
+    expect_fail(&o, 2, &["256", "vocabulary"]);
+    // --gen over the documented maximum
+    let o = k3(&[a, "--ids", "1", "--gen", "4097", "--out", out]);
+    expect_fail(&o, 2, &["4096"]);
+    // no model directory at all (clap usage error)
+    let o = k3(&["--ids", "1"]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    // an unknown flag
+    let o = k3(&[a, "--ids", "1", "--no-such-flag"]);
+    expect_fail(&o, 2, &["--no-such-flag"]);
+    assert!(!Path::new(out).exists(), "no --out written by a failed run");
+}
+
+#[test]
+fn missing_model_dir_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-model");
+    let m = missing.to_str().unwrap();
+    let out = tmp.path().join("r.json");
+    let o = k3(&[
+        m,
+        "--ids",
+        "1,2",
+        "--gen",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert_ne!(code(&o), 0, "{err}");
+    assert!(err.contains(m), "error names the directory:\n{err}");
+    assert!(
+        err.contains("config.json"),
+        "error names the file it needed:\n{err}"
+    );
+    assert!(!err.contains("panicked"), "no panic:\n{err}");
+    let o = k3(&["plan", m]);
+    assert_ne!(code(&o), 0);
+    assert!(stderr(&o).contains(m));
+}
+
+/// A copy of fixture A's config.json without `pointer`'s last key, written to DIR/config.json.
+fn config_without(dir: &Path, parent: &str, key: &str) -> PathBuf {
+    let text = std::fs::read_to_string(fixture_a().join("config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    let obj = v
+        .pointer_mut(parent)
+        .and_then(Value::as_object_mut)
+        .unwrap_or_else(|| panic!("fixture A config.json has {parent}"));
+    assert!(
+        obj.remove(key).is_some(),
+        "{parent}/{key} exists in fixture A"
+    );
+    let p = dir.join("config.json");
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    p
+}
+
+#[test]
+fn config_missing_a_needed_key_exits_2_naming_key_and_file() {
+    for (parent, key) in [
+        ("/text_config", "moe_intermediate_size"),
+        ("/text_config/linear_attn_config", "num_heads"),
+        ("/text_config", "attn_res_block_size"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = config_without(tmp.path(), parent, key);
+        let cfg_s = cfg.to_str().unwrap();
+        let out = tmp.path().join("r.json");
+        // model dir holding only the broken config.json: the config is read before any shard
+        let o = k3(&[
+            tmp.path().to_str().unwrap(),
+            "--ids",
+            "1,2",
+            "--gen",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        expect_fail(&o, 2, &[key, cfg_s]);
+        // the real shards with --config pointing at the broken file
+        let a = fixture_a();
+        let o = k3(&[
+            a.to_str().unwrap(),
+            "--config",
+            cfg_s,
+            "--ids",
+            "1,2",
+            "--gen",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        expect_fail(&o, 2, &[key, cfg_s]);
+        // plan reads the same config
+        let o = k3(&["plan", tmp.path().to_str().unwrap()]);
+        expect_fail(&o, 2, &[key, cfg_s]);
+    }
+}
+
+/// Runs fixture A with the reference prompt and --gen; returns (json, dumped logits bytes, stdout).
+fn run_a(extra: &[&str], env: &[(&str, &str)]) -> (Value, Vec<u8>, String) {
+    let s = summary_a();
+    let prompt = csv(&ids_of(&s["prompt_ids"]));
+    let n_gen = ids_of(&s["generated_ids"]).len().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run.json");
+    let dump = tmp.path().join("step0.f32");
+    let a = fixture_a();
+    let mut args = vec![
+        a.to_str().unwrap(),
+        "--ids",
+        &prompt,
+        "--gen",
+        &n_gen,
+        "--out",
+        out.to_str().unwrap(),
+        "--dump-logits",
+        dump.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = k3_env(&args, env);
+    assert_eq!(code(&o), 0, "run on fixture A failed:\n{}", stderr(&o));
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).expect("--out is valid JSON");
+    (json, std::fs::read(&dump).unwrap(), stdout(&o))
+}
+
+#[test]
+fn run_on_fixture_a_writes_out_json_and_logits_matching_the_reference() {
+    let s = summary_a();
+    let vocab = s["n_vocab"].as_u64().unwrap() as usize;
+    let want_gen = ids_of(&s["generated_ids"]);
+    let (j, dump, out) = run_a(&["--incremental", "--threads", "2"], &[]);
+    assert_eq!(ids_of(&j["prompt_ids"]), ids_of(&s["prompt_ids"]));
+    assert_eq!(
+        ids_of(&j["generated_ids"]),
+        want_gen,
+        "generated ids equal the numpy reference's (fixtures/models/A/ref/summary.json)"
+    );
+    let spt = j["seconds_per_token"]
+        .as_f64()
+        .expect("seconds_per_token is a number");
+    assert!(spt > 0.0 && spt < 60.0, "seconds_per_token {spt}");
+    let rss = j["peak_rss_bytes"]
+        .as_u64()
+        .expect("peak_rss_bytes is an integer");
+    // the checkpoint alone is 5.5 MB and is resident; a process is at least that big
+    assert!(
+        rss > 5_000_000 && rss < 4_000_000_000,
+        "peak_rss_bytes {rss}"
+    );
+    assert_eq!(j["threads"], 2);
+    assert_eq!(j["incremental"], true);
+    // printed report
+    assert!(
+        out.contains(&format!("generated ids: {want_gen:?}")),
+        "{out}"
+    );
+    assert!(out.contains("PEAK RSS"), "{out}");
+
+    // --dump-logits: vocab f32s, the hash in the JSON, within the reference tolerance
+    assert_eq!(dump.len(), vocab * 4, "--dump-logits holds vocab*4 bytes");
+    assert_eq!(
+        j["first_logits_hash"].as_str().unwrap(),
+        fnv1a(&dump),
+        "first_logits_hash is the FNV-1a of the dumped bytes"
+    );
+    let mine = f32s(&dump);
+    let reference =
+        f32s(&std::fs::read(repo().join("fixtures/models/A/ref/step0_logits.f32")).unwrap());
+    assert_eq!(reference.len(), vocab);
+    let tol = s["logit_tolerance"].as_f64().unwrap() as f32;
+    let worst = mine
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= tol,
+        "step-0 logits differ from the reference by {worst} > {tol}"
+    );
+}
+
+#[test]
+fn full_recompute_threads_and_isa_give_the_same_bits_through_the_cli() {
+    let (inc, dump_inc, _) = run_a(&["--incremental", "--threads", "2"], &[]);
+    let (full, dump_full, _) = run_a(&["--threads", "1"], &[("K3_ISA", "scalar")]);
+    assert_eq!(full["isa"], "scalar", "K3_ISA=scalar is honoured");
+    assert_eq!(full["incremental"], false);
+    assert_eq!(inc["generated_ids"], full["generated_ids"]);
+    assert_eq!(inc["first_logits_hash"], full["first_logits_hash"]);
+    assert_eq!(dump_inc, dump_full, "first-step logit bytes");
+}
+
+#[test]
+fn unknown_k3_isa_is_a_usage_error() {
+    let a = fixture_a();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("r.json");
+    let o = k3_env(
+        &[
+            a.to_str().unwrap(),
+            "--ids",
+            "1",
+            "--gen",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[("K3_ISA", "sse9")],
+    );
+    expect_fail(&o, 2, &["sse9"]);
+}
+
+#[test]
+fn plan_prints_one_line_per_layer() {
+    let a = fixture_a();
+    let o = k3(&["plan", a.to_str().unwrap(), "--positions", "64"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let text = stdout(&o);
+    // expected layer map from the oracle's own record of what it wrote
+    let man: Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("synth_manifest.json")).unwrap())
+            .unwrap();
+    let n_layers = man["layers"].as_u64().unwrap() as usize;
+    let mla = ids_of(&man["mla_layers_0based"]);
+    let first_dense = man["first_dense"].as_u64().unwrap() as usize;
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() == 7 && f[0].parse::<usize>().is_ok() {
+            rows.push((
+                f[0].parse::<usize>().unwrap(),
+                f[1].to_string(),
+                f[2].to_string(),
+            ));
+        }
+    }
+    assert_eq!(
+        rows.len(),
+        n_layers,
+        "one per-layer line per layer:\n{text}"
+    );
+    for (i, (idx, attn, ffn)) in rows.iter().enumerate() {
+        assert_eq!(*idx, i);
+        let want_attn = if mla.contains(&(i as u32)) {
+            "Mla"
+        } else {
+            "Kda"
+        };
+        assert_eq!(attn, want_attn, "layer {i} attention kind:\n{text}");
+        let want_ffn = if i < first_dense { "Dense" } else { "Moe" };
+        assert_eq!(ffn, want_ffn, "layer {i} ffn kind:\n{text}");
+    }
+    assert!(text.contains("64 positions max"), "{text}");
+    let o = k3(&["plan", a.to_str().unwrap(), "--json"]);
+    assert_eq!(code(&o), 0);
+    let j: Value = serde_json::from_str(&stdout(&o)).expect("plan --json is JSON");
+    assert_eq!(j["layers"].as_array().unwrap().len(), n_layers);
+}
+
+#[test]
+fn unwritable_out_exits_3_after_the_run() {
+    let s = summary_a();
+    let want_gen = ids_of(&s["generated_ids"]);
+    let prompt = csv(&ids_of(&s["prompt_ids"]));
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("no-such-dir/run.json");
+    let a = fixture_a();
+    let o = k3(&[
+        a.to_str().unwrap(),
+        "--ids",
+        &prompt,
+        "--gen",
+        "3",
+        "--incremental",
+        "--out",
+        bad.to_str().unwrap(),
+    ]);
+    expect_fail(&o, 3, &["--out", bad.to_str().unwrap()]);
+    // the run itself finished and reported its tokens before the write failed
+    assert!(
+        stdout(&o).contains(&format!("generated ids: {:?}", &want_gen[..3])),
+        "{}",
+        stdout(&o)
+    );
+    // same for --dump-logits
+    let ok_out = tmp.path().join("run.json");
+    let o = k3(&[
+        a.to_str().unwrap(),
+        "--ids",
+        &prompt,
+        "--gen",
+        "2",
+        "--incremental",
+        "--out",
+        ok_out.to_str().unwrap(),
+        "--dump-logits",
+        bad.to_str().unwrap(),
+    ]);
+    expect_fail(&o, 3, &["--dump-logits"]);
+    assert!(stdout(&o).contains("generated ids:"));
+}

@@ -113,8 +113,8 @@ pub struct MemArgs {
     #[arg(long)]
     pub ultra_low_memory: bool,
     /// I/O policy: direct (default), mmap, or a policy TOML file.
-    #[arg(long, default_value = "direct")]
-    pub io: String,
+    #[arg(long)]
+    pub io: Option<String>,
     /// Write every (layer, expert) request (expert_trace.bin) and a histogram here.
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
@@ -188,7 +188,8 @@ pub struct RunArgs {
     /// Model manifest (default: the built-in kimi-k3 manifest).
     #[arg(long)]
     pub manifest: Option<PathBuf>,
-    /// Model config (default MODEL_DIR/config.json).
+    /// A run config (configs/*.toml: manifest + preset + I/O policy), or the model's
+    /// config.json if the name does not end in .toml (default MODEL_DIR/config.json).
     #[arg(long)]
     pub config: Option<PathBuf>,
 }
@@ -287,6 +288,7 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
 /// Where --preset, --trunk-gb and --cache-gb appeared on the command line (later wins).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FlagOrder {
+    pub trunk_ring: Option<usize>,
     pub preset: Option<usize>,
     pub trunk_gb: Option<usize>,
     pub cache_gb: Option<usize>,
@@ -308,7 +310,15 @@ pub fn memory_settings(
     use crate::stream::{gb_to_bytes, io_policy, presets};
     let m = &a.mem;
     let mut notes = Vec::new();
-    let preset = match &m.preset {
+    let rc = run_config(a)?;
+    if let Some(rc) = &rc {
+        notes.push(format!("run config {}: {}", rc.name, rc.note));
+    }
+    let preset_name = m
+        .preset
+        .clone()
+        .or_else(|| rc.as_ref().and_then(|r| r.preset.clone()));
+    let preset = match &preset_name {
         Some(p) => Some(presets::load_preset(p).map_err(|e| Failure::usage(e.to_string()))?),
         None => None,
     };
@@ -348,7 +358,11 @@ pub fn memory_settings(
             .transpose()
             .map_err(|e| Failure::usage(e.to_string()))
     };
-    let io = io_policy::load_io_policy(&m.io).map_err(|e| Failure::usage(e.to_string()))?;
+    let io_name =
+        m.io.clone()
+            .or_else(|| rc.as_ref().map(|r| r.io.clone()))
+            .unwrap_or_else(|| "direct".to_string());
+    let io = io_policy::load_io_policy(&io_name).map_err(|e| Failure::usage(e.to_string()))?;
     let settings = crate::session::MemorySettings {
         trunk_dir: m.trunk.clone(),
         trunk_budget_bytes: if m.trunk.is_some() {
@@ -357,7 +371,14 @@ pub fn memory_settings(
             None
         },
         cache_budget_bytes: to_bytes(cache_gb, "--cache-gb")?,
-        ring_slots: m.trunk_ring.max(1),
+        ring_slots: if a.order.trunk_ring.is_some() {
+            m.trunk_ring
+        } else {
+            rc.as_ref()
+                .and_then(|r| r.trunk_ring)
+                .unwrap_or(m.trunk_ring)
+        }
+        .max(1),
         ultra_low_memory: m.ultra_low_memory
             || preset
                 .as_ref()
@@ -366,6 +387,60 @@ pub fn memory_settings(
         trace_experts: m.dump_cache_trace.is_some(),
     };
     Ok((settings, notes))
+}
+
+/// `--config FILE.toml` is a run config (manifest + preset + I/O policy); `--config FILE.json`
+/// (or any other name) is the model's config.json (SYSTEM.md §6).
+pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Failure> {
+    match &a.config {
+        Some(p) if p.extension().is_some_and(|e| e == "toml") => {
+            crate::runconfig::RunConfig::load(p)
+                .map(Some)
+                .map_err(|e| Failure::usage(e.to_string()))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The model spec for a run: manifest from --manifest, else the run config's, else built in;
+/// config.json from --config FILE.json, else MODEL_DIR/config.json.
+pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
+    let rc = run_config(a)?;
+    let manifest = a
+        .manifest
+        .clone()
+        .or_else(|| rc.as_ref().map(|r| r.manifest.clone()));
+    let config = if rc.is_some() {
+        None
+    } else {
+        a.config.as_deref()
+    };
+    load_spec(model_dir, manifest.as_deref(), config)
+}
+
+/// Worker threads: --threads, else the run config's, else physical cores.
+pub fn run_threads(a: &RunArgs) -> Result<usize, Failure> {
+    let rc = run_config(a)?;
+    Ok(a.threads
+        .or_else(|| rc.and_then(|r| r.threads))
+        .unwrap_or_else(default_threads)
+        .max(1))
+}
+
+/// Open the checkpoint. Routed-expert scales are validated here only when the experts are
+/// resident; streamed experts are validated as they are read (real K3: 85 GB of scales).
+fn open_checkpoint(
+    model_dir: &Path,
+    spec: &ModelSpec,
+    settings: &crate::session::MemorySettings,
+) -> Result<Checkpoint, Failure> {
+    let opts = crate::checkpoint::OpenOptions {
+        validate_expert_scales: settings.cache_budget_bytes.is_none(),
+    };
+    Checkpoint::open_with(model_dir, spec, &opts).map_err(|e| Failure {
+        code: exit::FORWARD,
+        msg: e.to_string(),
+    })
 }
 
 fn stream_failure(e: crate::stream::StreamError) -> Failure {
@@ -414,18 +489,15 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         return Err(Failure::usage("at most 8 --stop-id values"));
     }
     let (settings, notes) = memory_settings(a)?;
-    let spec = load_spec(model_dir, a.manifest.as_deref(), a.config.as_deref())?;
+    let spec = run_spec(a, model_dir)?;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
         return Err(Failure::usage(format!(
             "--ids: token {bad} is outside the vocabulary (size {})",
             spec.vocab_size
         )));
     }
-    let ckpt = Checkpoint::open(model_dir, &spec).map_err(|e| Failure {
-        code: exit::FORWARD,
-        msg: e.to_string(),
-    })?;
-    let threads = a.threads.unwrap_or_else(default_threads).max(1);
+    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let threads = run_threads(a)?;
     let positions = a
         .max_context
         .unwrap_or(prompt.len() + a.n_gen)
@@ -630,12 +702,9 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
         .as_deref()
         .ok_or_else(|| Failure::usage("a model directory is required"))?;
     let (settings, notes) = memory_settings(a)?;
-    let spec = load_spec(model_dir, a.manifest.as_deref(), a.config.as_deref())?;
-    let ckpt = Checkpoint::open(model_dir, &spec).map_err(|e| Failure {
-        code: exit::FORWARD,
-        msg: e.to_string(),
-    })?;
-    let threads = a.threads.unwrap_or_else(default_threads).max(1);
+    let spec = run_spec(a, model_dir)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let threads = run_threads(a)?;
     let positions = a.max_context.unwrap_or(8192);
     let plan = Plan::new(&spec, positions);
     for n in &notes {
@@ -697,6 +766,7 @@ pub fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     cli.run.order = FlagOrder {
+        trunk_ring: matches.index_of("trunk_ring"),
         preset: matches.index_of("preset"),
         trunk_gb: matches.index_of("trunk_gb"),
         cache_gb: matches.index_of("cache_gb"),

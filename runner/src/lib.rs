@@ -12,6 +12,7 @@ pub mod exec;
 pub mod plan;
 pub mod resident;
 pub mod run;
+pub mod runconfig;
 pub mod session;
 pub mod stream;
 pub mod synth;

@@ -90,7 +90,10 @@ pub fn build<'c>(
         Some(dir) => match m.io.trunk {
             TrunkIo::Direct => {
                 let opts = TrunkOptions {
-                    budget_bytes: m.trunk_budget_bytes.unwrap_or(plan.trunk_bytes()),
+                    // no budget: every layer pinned (each rounded up to the 4096-byte I/O alignment)
+                    budget_bytes: m
+                        .trunk_budget_bytes
+                        .unwrap_or(plan.trunk_bytes() + 4096 * plan.layers.len() as u64),
                     ring_slots: m.ring_slots,
                     o_direct: m.io.o_direct,
                     read_threads: m.io.read_threads,

@@ -54,6 +54,10 @@ pub trait EvictionPolicy: Send {
     /// Pick the victim among `candidates` (resident, not needed by the current call; never
     /// empty); returns an index into `candidates`.
     fn choose_victim(&mut self, candidates: &[(ExpertKey, usize)]) -> usize;
+    /// Why the policy stopped working as configured (e.g. a plugin fell back), if it did.
+    fn failure(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Least recently used; ties (never touched) go to the lowest slot.
@@ -558,6 +562,13 @@ impl<'c> ExpertCache<'c> {
             format!(
                 "TRUE resident hit rate {:.2}%",
                 100.0 * s.resident_hit_rate()
+            ),
+            format!(
+                "eviction policy {}{}",
+                self.policy.name(),
+                self.policy
+                    .failure()
+                    .map_or_else(String::new, |f| format!(" (FELL BACK: {f})"))
             ),
             format!(
                 "read {} in {:.2} s{}",

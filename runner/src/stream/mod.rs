@@ -17,6 +17,7 @@ pub mod global;
 pub mod io_policy;
 pub mod pack;
 pub mod plan;
+pub mod plugin;
 pub mod presets;
 pub mod trace;
 pub mod trunk;

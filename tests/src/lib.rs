@@ -103,3 +103,83 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx.truncate(k);
     idx
 }
+
+/// A synthetic checkpoint written by `k3_run::synth` from `configs/synth/<spec>.toml` with
+/// `seed`, plus its packed trunk, under `dir` (on disk under target/, never tmpfs: O_DIRECT
+/// alignment bugs hide on tmpfs). Written once; later calls reuse it. Returns (model, trunk).
+pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let model = dir.join(format!("{spec}-s{seed}"));
+    let trunk = dir.join(format!("{spec}-s{seed}-trunk"));
+    if !model.join("config.json").is_file() {
+        let _ = std::fs::remove_dir_all(&model);
+        let args = k3_run::synth::SynthArgs {
+            spec: repo_root()
+                .join("configs/synth")
+                .join(format!("{spec}.toml")),
+            seed,
+            out: model.clone(),
+            manifest: None,
+            quiet: true,
+        };
+        k3_run::synth::run(&args).unwrap_or_else(|e| panic!("synth {spec}: {e}"));
+    }
+    if !trunk.join("trunk.json").is_file() {
+        let _ = std::fs::remove_dir_all(&trunk);
+        let (spec_m, _ck) = open_model(&model);
+        k3_run::stream::pack::run(&model, &spec_m, &trunk)
+            .unwrap_or_else(|e| panic!("pack {spec}: {e}"));
+    }
+    (model, trunk)
+}
+
+/// What a run produced, for bit-identity comparisons and snapshots.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RunBits {
+    pub generated_ids: Vec<u32>,
+    /// FNV-1a 64 of the first-step logit bits.
+    pub first_logits_hash: String,
+}
+
+/// Run `prompt` + `n_gen` greedy incremental tokens with the given memory settings.
+/// Returns the bits and the trunk/expert stats.
+pub fn run_with(
+    model: &Path,
+    settings: &k3_run::session::MemorySettings,
+    prompt: &[u32],
+    n_gen: usize,
+    threads: usize,
+) -> (
+    RunBits,
+    k3_run::weights::TrunkStats,
+    k3_run::weights::ExpertStats,
+) {
+    let (spec, ckpt) = open_model(model);
+    let plan = Plan::new(&spec, prompt.len() + n_gen);
+    let mut session = k3_run::session::build(&spec, &ckpt, &plan, settings)
+        .unwrap_or_else(|e| panic!("build providers for {settings:?}: {e}"));
+    let mut exec = Executor::new(&spec, plan, threads);
+    let req = k3_run::run::GenRequest {
+        prompt_ids: prompt.to_vec(),
+        n_gen,
+        incremental: true,
+        stop_ids: vec![],
+    };
+    let r = k3_run::run::generate(
+        &spec,
+        &mut exec,
+        &mut session.providers,
+        &req,
+        &mut |_, _, _| true,
+    )
+    .unwrap_or_else(|e| panic!("generate with {settings:?}: {e}"));
+    (
+        RunBits {
+            generated_ids: r.generated_ids,
+            first_logits_hash: r.first_logits_hash,
+        },
+        session.providers.trunk.stats(),
+        session.providers.experts.stats(),
+    )
+}

@@ -156,24 +156,27 @@ fn misbehaving_plugins_fall_back_to_builtin_lru() {
 
 #[test]
 fn the_built_example_library_loads_through_dlopen() {
-    // `cargo test --workspace` builds the example cdylib next to the test binaries.
-    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .expect("target dir")
-        .to_path_buf();
-    let candidates = [
-        target.join("debug/libk3_plugin_lru_example.so"),
-        target.join("release/libk3_plugin_lru_example.so"),
-    ];
-    let Some(lib) = candidates.iter().find(|p| p.exists()) else {
-        eprintln!(
-            "SKIPPED: libk3_plugin_lru_example.so not built under {} (run `cargo build -p \
-             k3-plugin-lru-example` or `cargo test --workspace`)",
-            target.display()
-        );
-        return;
-    };
-    let mut p = load_eviction_plugin(lib, 4).expect("plugin loads");
+    // Build the example cdylib (cargo builds only its rlib for this test's dependency graph)
+    // into a separate target directory, so the outer cargo's lock is never contended.
+    let manifest =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/lru-example/Cargo.toml");
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("stream-plugin-build");
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .env_remove("RUSTFLAGS")
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "building the example plugin failed");
+    let lib = target.join("debug").join(format!(
+        "{}k3_plugin_lru_example{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    assert!(lib.exists(), "{} was not built", lib.display());
+    let mut p = load_eviction_plugin(&lib, 4).expect("plugin loads");
     assert_eq!(p.name(), "plugin:lru-example");
     p.on_insert((1, 0), 0);
     p.on_insert((1, 1), 1);

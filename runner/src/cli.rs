@@ -55,6 +55,8 @@ pub enum Command {
     Synth(crate::synth::SynthArgs),
     /// Print the execution plan for a checkpoint (layers, bytes, state, scratch).
     Plan(PlanCli),
+    /// Check the machine: memory, the preset to use, disk read bandwidth as the engine reads.
+    Doctor(crate::doctor::DoctorArgs),
     /// Pack the dense trunk into one file (trunk.bin + trunk.json) for streaming, once.
     PackTrunk(PackCli),
     /// Replay an expert-request trace under LRU and Belady's optimum at several capacities.
@@ -795,6 +797,7 @@ pub fn main() -> ExitCode {
         },
         Some(Command::RenderChat(r)) => crate::chat::render_chat_main(r),
         Some(Command::PackTrunk(p)) => pack_main(p),
+        Some(Command::Doctor(d)) => crate::doctor::main(d),
         Some(Command::SimCache(p)) => sim_main(p),
         None => run_main(&cli.run),
     };

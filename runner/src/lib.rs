@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod cli;
+pub mod doctor;
 pub mod exec;
 pub mod plan;
 pub mod resident;

@@ -1,8 +1,8 @@
 //! Portable chat history files (JSONL, one [`Message`] per line).
 //!
 //! Owns: loading a history file with per-line validation ([`load_jsonl`]), appending one
-//! record atomically ([`append_record`]), and the `--system` consistency check
-//! ([`check_system`]).
+//! record or one whole turn atomically ([`append_record`], [`append_records`]), and the
+//! `--system` consistency check ([`check_system`]).
 //!
 //! Must not: rewrite or truncate an existing history (a corrupt file is reported, never
 //! repaired), or store anything but the portable records (model state is never serialised).
@@ -102,15 +102,27 @@ pub fn parse_jsonl(data: &[u8], path: &Path) -> Result<Vec<Message>, HistoryErro
 /// Append one record as a single `\n`-terminated line with one `write` call, then fsync.
 /// The file is created with mode 0600 if missing. Refuses to append after a torn last line.
 pub fn append_record(path: &Path, message: &Message) -> Result<(), HistoryError> {
+    append_records(path, std::slice::from_ref(message))
+}
+
+/// Append several records (e.g. a user turn and its assistant reply) as consecutive lines in
+/// ONE `write` call, then fsync, so a crash leaves either all of them or none (a torn tail
+/// is detected by [`load_jsonl`] and refused by the next append). With no records it only
+/// creates the file (mode 0600) if missing and checks its tail.
+pub fn append_records(path: &Path, messages: &[Message]) -> Result<(), HistoryError> {
     let io = |source: std::io::Error| HistoryError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let mut line = serde_json::to_string(message).map_err(|e| HistoryError::Serialize {
-        path: path.to_path_buf(),
-        msg: e.to_string(),
-    })?;
-    line.push('\n');
+    let mut lines = String::new();
+    for message in messages {
+        let line = serde_json::to_string(message).map_err(|e| HistoryError::Serialize {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        lines.push_str(&line);
+        lines.push('\n');
+    }
 
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true).append(true).create(true);
@@ -131,9 +143,12 @@ pub fn append_record(path: &Path, message: &Message) -> Result<(), HistoryError>
             });
         }
     }
+    if lines.is_empty() {
+        return Ok(());
+    }
     // O_APPEND: the write lands at the end whatever the cursor says. write_all issues a
     // single write(2) for a regular file unless the kernel returns a short count.
-    file.write_all(line.as_bytes()).map_err(io)?;
+    file.write_all(lines.as_bytes()).map_err(io)?;
     file.flush().map_err(io)?;
     file.sync_data().map_err(io)?;
     Ok(())

@@ -160,3 +160,34 @@ fn with_system_starts_or_checks_the_transcript() {
     );
     assert!(history::with_system(stored, Some("other"), p).is_err());
 }
+
+#[test]
+fn a_whole_turn_is_appended_in_one_piece() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("turns.jsonl");
+    // No records: the file is created (private) and stays empty.
+    history::append_records(&path, &[]).expect("create");
+    assert_eq!(std::fs::read(&path).expect("read"), b"");
+    let turn = [
+        Message::user("first line\nsecond"),
+        Message::assistant("answer", "thoughts"),
+    ];
+    history::append_records(&path, &turn).expect("append turn");
+    history::append_records(&path, &turn[..1]).expect("append one");
+    let back = history::load_jsonl(&path).expect("load");
+    assert_eq!(back, [turn[0].clone(), turn[1].clone(), turn[0].clone()]);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    // A torn tail is refused and left as it was, for a whole turn too.
+    std::fs::write(&path, b"{\"role\":\"user\",\"content\":\"x\"}").expect("write torn");
+    let err = history::append_records(&path, &turn).unwrap_err();
+    assert!(matches!(err, HistoryError::TornTail { .. }), "{err}");
+    assert_eq!(
+        std::fs::read(&path).expect("read"),
+        b"{\"role\":\"user\",\"content\":\"x\"}"
+    );
+}

@@ -1,9 +1,18 @@
-//! Chat: the `render-chat` subcommand and the `--chat` REPL (issue 5).
+//! Chat: the `render-chat` subcommand and the `--chat` REPL (issue 5; docs/CHAT.md).
 //!
-//! Owns: rendering transcripts with K3's XTML format (via k3-text), the REPL loop, history
-//! files, sampling. Must not: model math (it drives [`crate::exec::Executor`]).
+//! Owns: the chat flags ([`ChatArgs`], flattened into the main run command, and
+//! [`RenderChatArgs`]) and the two entry points `cli.rs` calls. The work is split into
+//! [`render`] (render-chat), [`session`] (transcript + model state + one assistant turn),
+//! [`sample`] (greedy / PCG32 temperature + top-p) and [`repl`] (line editing, commands,
+//! printing, the history file, Ctrl-C).
 //!
-//! PLACEHOLDER being replaced by the chat engineer: signatures are the contract with `cli.rs`.
+//! Must not: model math (it drives [`crate::exec::Executor`]), XTML or tokenizer rules
+//! (k3-text owns them), or serialise model state (a restart re-prefills the history).
+
+pub mod render;
+pub mod repl;
+pub mod sample;
+pub mod session;
 
 use std::path::PathBuf;
 
@@ -13,12 +22,41 @@ use k3_models::spec::ModelSpec;
 use crate::cli::{Failure, RunArgs};
 use crate::exec::{Executor, Providers};
 
-/// Chat flags of the main run command.
+/// Chat flags of the main run command (`k3-run MODEL_DIR --chat ...`). Also used there:
+/// `--tok DIR` (default: MODEL_DIR when it holds tiktoken.model), `--gen N` (chat default
+/// 4096), `--incremental`, `--max-context N`, `--threads N`, `--stop-id N`.
 #[derive(Args, Debug, Default, Clone)]
 pub struct ChatArgs {
-    /// Interactive chat REPL in K3's XTML chat format (needs --tok).
+    /// Interactive chat REPL in K3's XTML chat format (see docs/CHAT.md).
     #[arg(long)]
     pub chat: bool,
+    /// Chat: system prompt; must equal the initial system record of an existing --history.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Chat: transcript file (JSONL records {"role","content","reasoning_content"}); loaded,
+    /// validated and re-prefilled at start, one turn appended per reply. Created 0600.
+    #[arg(long, requires = "chat")]
+    pub history: Option<PathBuf>,
+    /// Chat: no thinking (no effort message, earlier turns without the think channel, the
+    /// reply starts in the response channel).
+    #[arg(long, requires = "chat")]
+    pub no_think: bool,
+    /// Chat: thinking effort low, high or max (default max).
+    #[arg(long, requires = "chat", value_name = "E")]
+    pub thinking_effort: Option<String>,
+    /// Chat: sample with this temperature (switches sampling on; default 1.0; 0 = greedy).
+    #[arg(long, requires = "chat")]
+    pub temperature: Option<f32>,
+    /// Chat: nucleus sampling threshold (switches sampling on; default 0.95).
+    #[arg(long, requires = "chat")]
+    pub top_p: Option<f32>,
+    /// Chat: sampling seed; turn k of the conversation uses PCG32 stream k of this seed, so
+    /// a replayed transcript reproduces (switches sampling on).
+    #[arg(long, requires = "chat")]
+    pub seed: Option<u64>,
+    /// Chat: force argmax even if sampling flags are given.
+    #[arg(long, requires = "chat")]
+    pub greedy: bool,
 }
 
 /// `k3-run render-chat`: print exactly what the model will see.
@@ -27,19 +65,54 @@ pub struct RenderChatArgs {
     /// Transcript, one JSON record per line: {"role","content","reasoning_content"}.
     #[arg(long)]
     pub history: PathBuf,
+    /// System prompt: starts an empty history; must equal the initial system record of a
+    /// non-empty one (as in --chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// No thinking (as in --chat).
+    #[arg(long)]
+    pub no_think: bool,
+    /// Thinking effort low, high or max (default max).
+    #[arg(long, value_name = "E")]
+    pub thinking_effort: Option<String>,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json): checks the prompt
+    /// tokenizes and counts its ids.
+    #[arg(long)]
+    pub tok: Option<PathBuf>,
+    /// Also print the token ids (needs --tok): after the text, a newline, then the ids on
+    /// one comma-separated line.
+    #[arg(long)]
+    pub ids: bool,
+    /// Encoder revision: c5d1dd4 (the released checkpoint) or hf-main (vLLM's vendored copy;
+    /// different attribute segmentation).
+    #[arg(long, default_value = "c5d1dd4")]
+    pub revision: String,
+    /// Render the transcript only, without the assistant generation prompt.
+    #[arg(long)]
+    pub no_generation_prompt: bool,
+    /// Tool declarations: a JSON file holding an array of OpenAI-style tool specs.
+    #[arg(long, value_name = "FILE")]
+    pub tools: Option<PathBuf>,
+    /// Tool choice message: required or none.
+    #[arg(long)]
+    pub tool_choice: Option<String>,
+    /// Response format: a JSON file, {"type":"json_object"} or
+    /// {"type":"json_schema","schema":{...}}.
+    #[arg(long, value_name = "FILE")]
+    pub response_format: Option<PathBuf>,
 }
 
 /// Run `render-chat`; returns the exit code.
-pub fn render_chat_main(_a: &RenderChatArgs) -> Result<u8, Failure> {
-    Err(Failure::usage("render-chat is not implemented yet"))
+pub fn render_chat_main(a: &RenderChatArgs) -> Result<u8, Failure> {
+    render::main(a)
 }
 
 /// Run the REPL on a loaded model; returns the exit code.
 pub fn repl_main(
-    _spec: &ModelSpec,
-    _exec: &mut Executor<'_>,
-    _providers: &mut Providers<'_>,
-    _run: &RunArgs,
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    providers: &mut Providers<'_>,
+    run: &RunArgs,
 ) -> Result<u8, Failure> {
-    Err(Failure::usage("--chat is not implemented yet"))
+    repl::main(spec, exec, providers, run)
 }

@@ -1,0 +1,431 @@
+//! One chat conversation on a loaded model: the transcript, the model state that has been fed
+//! and the generation of one assistant turn. No terminal here, so tests drive it directly.
+//!
+//! Owns: [`Session`] (transcript + tokenizer + render options + the fed ids and their
+//! [`SeqState`]), prefix reuse (`--incremental`), one assistant turn ([`Session::turn`]):
+//! render → prefill → sample → stream channel text → stop, and the commit rule.
+//! Must not: print, read input, touch the history file (the REPL does, and commits a turn to
+//! the session only after the file append succeeded), or do model math.
+//!
+//! Rules (SYSTEM.md §7, issue 5):
+//! - The prompt of a turn is the whole transcript plus the new user message plus the
+//!   generation prompt, rendered by k3-text (XTML, released revision c5d1dd4).
+//! - With `incremental` the live state is reused when the new prompt ids start exactly with
+//!   the ids already fed; only the tail is prefilled. Any mismatch (or `incremental` off)
+//!   starts from a fresh state. Opaque KV/MLA/KDA state is never serialised: a restarted REPL
+//!   re-prefills the re-rendered history.
+//! - Within a turn decoding always keeps the state (one step per generated token).
+//! - Generation stops on `<|end_of_msg|>` (from the tokenizer), on the config's eos ids and
+//!   the `--stop-id`s, at the `--gen` limit, on the interrupt flag (Ctrl-C) or when the
+//!   planned context is full. The stop token itself is not fed.
+//! - A turn stopped by end of message, a stop id or the `--gen` limit is committed (user +
+//!   assistant record). A turn stopped by Ctrl-C or by a full context is discarded whole:
+//!   neither the user message nor the partial reply is kept, so the transcript never holds a
+//!   reply the model did not finish and stays a valid alternation.
+//! - Sampling stream of turn k = `Pcg32::new(seed, k)`, k = number of assistant records
+//!   before the turn ([`super::sample`]).
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use k3_models::spec::ModelSpec;
+use k3_text::chat::{self, Message, RenderOptions, Role, Thinking};
+use k3_text::history;
+use k3_text::reply::{Channel, Reply, ReplyEvent, ReplyParser};
+use k3_text::tokenizer::Tokenizer;
+
+use super::sample::{Sampler, Sampling};
+use crate::exec::{ExecError, Executor, Providers, SeqState};
+
+/// Errors of a session. [`SessionError::Exec`] is fatal for the REPL; the others refuse one
+/// turn and leave the transcript as it was.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Render(#[from] k3_text::ChatError),
+    #[error(transparent)]
+    History(#[from] k3_text::HistoryError),
+    #[error(
+        "the conversation needs {needed} positions but the context is planned for {max} \
+         (--max-context); the history is kept: /reset to start a new conversation or restart \
+         with a larger --max-context"
+    )]
+    ContextTooLong { needed: usize, max: usize },
+    #[error(
+        "token id {id} ({what}) is outside the model's vocabulary of {vocab} ids: this \
+         tokenizer does not fit this model"
+    )]
+    TokenOutsideModel { id: u32, what: String, vocab: usize },
+    #[error("forward pass failed: {0}")]
+    Exec(#[from] ExecError),
+}
+
+/// Turn settings fixed for the session.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    pub thinking: Thinking,
+    /// Maximum generated tokens per turn.
+    pub n_gen: usize,
+    /// Reuse the live state across turns when the prompt extends what was fed.
+    pub incremental: bool,
+    pub sampling: Sampling,
+    /// Stop ids besides `<|end_of_msg|>`: config eos ids and `--stop-id`s.
+    pub extra_stop_ids: Vec<u32>,
+}
+
+/// What a prefill did.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Prefill {
+    /// Positions kept from the live state.
+    pub reused: usize,
+    /// Positions fed now.
+    pub fed: usize,
+    /// Positions of the prompt (= reused + fed when not interrupted).
+    pub total: usize,
+    pub seconds: f64,
+}
+
+/// Why a turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// `<|end_of_msg|>` was generated.
+    EndOfMessage,
+    /// Another stop id (config eos or `--stop-id`).
+    StopId(u32),
+    /// `--gen` tokens were generated.
+    GenLimit,
+    /// The interrupt flag (Ctrl-C) was raised, during prefill or generation.
+    Interrupted,
+    /// The planned context filled up during generation.
+    ContextFull { max: usize },
+}
+
+impl Stop {
+    /// Whether the turn is kept in the transcript (see the module docs).
+    pub fn commits(self) -> bool {
+        matches!(self, Stop::EndOfMessage | Stop::StopId(_) | Stop::GenLimit)
+    }
+}
+
+/// Streamed to the caller during a turn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event<'a> {
+    /// The prompt is fed; generation starts.
+    Prefilled(Prefill),
+    /// Generated text, complete UTF-8, in its channel.
+    Text { channel: Channel, text: &'a str },
+}
+
+/// The result of one turn.
+#[derive(Debug, Clone)]
+pub struct TurnOutcome {
+    pub stop: Stop,
+    pub prefill: Prefill,
+    pub reply: Reply,
+    /// Generated ids, including the stop token if one ended the turn.
+    pub generated: Vec<u32>,
+    pub decode_seconds: f64,
+    /// The records to commit (user, assistant) when [`Stop::commits`].
+    pub records: Option<[Message; 2]>,
+}
+
+/// Load a history file for `render-chat` and the REPL: every line validated (a corrupt line
+/// is an error naming its line number), then `--system` applied: an empty history starts
+/// with the system record, a non-empty one must already start with the same one.
+pub fn load_transcript(path: &Path, system: Option<&str>) -> Result<Vec<Message>, SessionError> {
+    let messages = history::load_jsonl(path)?;
+    Ok(history::with_system(messages, system, path)?)
+}
+
+/// A conversation on one model. See the module docs.
+pub struct Session<'s> {
+    spec: &'s ModelSpec,
+    tok: Tokenizer,
+    opts: RenderOptions,
+    cfg: SessionConfig,
+    messages: Vec<Message>,
+    fed: Vec<u32>,
+    state: SeqState,
+    /// Logits after the last id of `fed` (valid when `fed` is not empty).
+    logits: Vec<f32>,
+    eom: u32,
+    /// Ids the sampler may choose: those both the model and the tokenizer know.
+    n_allowed: usize,
+}
+
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("messages", &self.messages.len())
+            .field("fed", &self.fed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'s> Session<'s> {
+    /// A session starting from `messages` (already validated, e.g. by [`load_transcript`]).
+    /// Fails when the tokenizer's control tokens cannot be embedded by the model or the
+    /// transcript does not render.
+    pub fn new(
+        spec: &'s ModelSpec,
+        tok: Tokenizer,
+        cfg: SessionConfig,
+        messages: Vec<Message>,
+    ) -> Result<Session<'s>, SessionError> {
+        let opts = RenderOptions {
+            thinking: cfg.thinking,
+            ..RenderOptions::default()
+        };
+        let mut eom = 0;
+        for name in [
+            chat::OPEN_TOKEN,
+            chat::CLOSE_TOKEN,
+            chat::SEP_TOKEN,
+            chat::END_OF_MSG_TOKEN,
+        ] {
+            let id = tok
+                .id_of(name)
+                .ok_or_else(|| k3_text::ChatError::MissingControlToken {
+                    name: name.to_string(),
+                })?;
+            if id as usize >= spec.vocab_size {
+                return Err(SessionError::TokenOutsideModel {
+                    id,
+                    what: format!("chat control token {name}"),
+                    vocab: spec.vocab_size,
+                });
+            }
+            if name == chat::END_OF_MSG_TOKEN {
+                eom = id;
+            }
+        }
+        chat::render_prompt(&messages, &opts)?;
+        let n_allowed = spec.vocab_size.min(tok.vocab_size());
+        Ok(Session {
+            spec,
+            tok,
+            opts,
+            cfg,
+            messages,
+            fed: Vec::new(),
+            state: SeqState::new(spec),
+            logits: vec![0.0; spec.vocab_size],
+            eom,
+            n_allowed,
+        })
+    }
+
+    /// The transcript so far.
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tok
+    }
+
+    /// The `<|end_of_msg|>` id.
+    pub fn end_of_msg_id(&self) -> u32 {
+        self.eom
+    }
+
+    /// Positions currently held by the live state.
+    pub fn positions(&self) -> usize {
+        self.fed.len()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SessionConfig {
+        &self.cfg
+    }
+
+    /// 0-based index of the next assistant turn (its sampling stream).
+    pub fn next_turn_index(&self) -> u64 {
+        self.messages
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .count() as u64
+    }
+
+    /// Start a new conversation from `messages` (e.g. just the system record) and drop the
+    /// model state.
+    pub fn reset(&mut self, messages: Vec<Message>) -> Result<(), SessionError> {
+        chat::render_prompt(&messages, &self.opts)?;
+        self.messages = messages;
+        self.drop_state();
+        Ok(())
+    }
+
+    fn drop_state(&mut self) {
+        self.state = SeqState::new(self.spec);
+        self.fed.clear();
+    }
+
+    /// Append a finished turn's records (after the caller stored them).
+    pub fn commit(&mut self, records: [Message; 2]) {
+        self.messages.extend(records);
+    }
+
+    /// The prompt ids for `messages`, checked against the model's vocabulary.
+    fn prompt_ids(
+        &self,
+        messages: &[Message],
+        generation_prompt: bool,
+    ) -> Result<Vec<u32>, SessionError> {
+        let opts = RenderOptions {
+            add_generation_prompt: generation_prompt,
+            ..self.opts.clone()
+        };
+        let ids = chat::render_prompt(messages, &opts)?.render_ids(&self.tok)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.spec.vocab_size) {
+            return Err(SessionError::TokenOutsideModel {
+                id,
+                what: format!("{:?}", self.tok.decode_lossy(&[id]).unwrap_or_default()),
+                vocab: self.spec.vocab_size,
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Bring the live state to `target`: reuse it when `incremental` and `target` extends
+    /// what was fed, else start fresh; then feed the rest. Stops early (returning a prefill
+    /// with `reused + fed < total`) when `interrupt` is raised; `fed` stays exact, so the
+    /// state remains reusable.
+    fn sync(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        target: &[u32],
+        interrupt: &AtomicBool,
+    ) -> Result<Prefill, SessionError> {
+        let max = exec.plan().max_positions;
+        if target.len() > max {
+            return Err(SessionError::ContextTooLong {
+                needed: target.len(),
+                max,
+            });
+        }
+        let t0 = Instant::now();
+        let reuse = self.cfg.incremental && !self.fed.is_empty() && target.starts_with(&self.fed);
+        if !reuse {
+            self.drop_state();
+        }
+        let reused = self.fed.len();
+        let mut p = Prefill {
+            reused,
+            fed: 0,
+            total: target.len(),
+            seconds: 0.0,
+        };
+        for &id in &target[reused..] {
+            if interrupt.load(Ordering::Relaxed) {
+                break;
+            }
+            exec.step(id, &mut self.state, w, &mut self.logits)?;
+            self.fed.push(id);
+            p.fed += 1;
+        }
+        p.seconds = t0.elapsed().as_secs_f64();
+        Ok(p)
+    }
+
+    /// With `incremental`: prefill the transcript as it stands (no generation prompt), so a
+    /// restarted conversation's first turn only feeds its new tail. Returns `None` when
+    /// `incremental` is off (every turn then prefills from scratch).
+    pub fn prefill_transcript(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        interrupt: &AtomicBool,
+    ) -> Result<Option<Prefill>, SessionError> {
+        if !self.cfg.incremental {
+            return Ok(None);
+        }
+        let ids = self.prompt_ids(&self.messages, false)?;
+        self.sync(exec, w, &ids, interrupt).map(Some)
+    }
+
+    /// One assistant turn answering `user_text`. Events are streamed to `on_event`. The
+    /// transcript is not changed: commit `outcome.records` with [`Session::commit`].
+    pub fn turn(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        user_text: &str,
+        interrupt: &AtomicBool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<TurnOutcome, SessionError> {
+        let user = Message::user(user_text);
+        let mut candidate = self.messages.clone();
+        candidate.push(user.clone());
+        let target = self.prompt_ids(&candidate, true)?;
+        let prefill = self.sync(exec, w, &target, interrupt)?;
+        let mut out = TurnOutcome {
+            stop: Stop::Interrupted,
+            prefill,
+            reply: Reply::default(),
+            generated: Vec::new(),
+            decode_seconds: 0.0,
+            records: None,
+        };
+        if prefill.reused + prefill.fed < prefill.total {
+            return Ok(out);
+        }
+        on_event(Event::Prefilled(prefill));
+
+        let thinking = matches!(self.cfg.thinking, Thinking::On { .. });
+        let mut parser = ReplyParser::new(&self.tok, thinking)?;
+        let mut sampler = Sampler::for_turn(self.cfg.sampling, self.next_turn_index());
+        let max = exec.plan().max_positions;
+        let t0 = Instant::now();
+        let mut stop = Stop::GenLimit;
+        for i in 0..self.cfg.n_gen {
+            let next = sampler.sample(&self.logits[..self.n_allowed]);
+            out.generated.push(next);
+            if next != self.eom && self.cfg.extra_stop_ids.contains(&next) {
+                stop = Stop::StopId(next);
+                break;
+            }
+            let mut ended = false;
+            for ev in parser.push(&self.tok, next)? {
+                match ev {
+                    ReplyEvent::Text { channel, text } => {
+                        on_event(Event::Text {
+                            channel,
+                            text: &text,
+                        });
+                    }
+                    ReplyEvent::End => ended = true,
+                }
+            }
+            if ended {
+                stop = Stop::EndOfMessage;
+                break;
+            }
+            if interrupt.load(Ordering::Relaxed) {
+                stop = Stop::Interrupted;
+                break;
+            }
+            if i + 1 == self.cfg.n_gen {
+                break;
+            }
+            match exec.step(next, &mut self.state, w, &mut self.logits) {
+                Ok(()) => self.fed.push(next),
+                Err(ExecError::ContextFull { .. }) => {
+                    stop = Stop::ContextFull { max };
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        out.decode_seconds = t0.elapsed().as_secs_f64();
+        out.stop = stop;
+        out.reply = parser.finish();
+        if stop.commits() {
+            out.records = Some([user, out.reply.to_message()]);
+        }
+        Ok(out)
+    }
+}

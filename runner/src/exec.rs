@@ -158,9 +158,10 @@ struct Scratch {
     ids: Vec<u32>,           // [top_k]
     weights: Vec<f32>,       // [top_k]
     z: Vec<f32>,             // [latent]
-    e_out: Vec<f32>,         // [latent]
     acc: Vec<f32>,           // [latent]
     accn: Vec<f32>,          // [latent]
+    /// per routed expert: [gate ff | up ff | h ff | out latent] x top_k
+    experts_scratch: Vec<f32>,
 }
 
 impl Scratch {
@@ -208,9 +209,9 @@ impl Scratch {
             ids: vec![0; b.n_experts_active],
             weights: z(b.n_experts_active),
             z: z(b.moe_latent),
-            e_out: z(b.moe_latent),
             acc: z(b.moe_latent),
             accn: z(b.moe_latent),
+            experts_scratch: z(b.n_experts_active * (3 * b.expert_ff + b.moe_latent)),
         }
     }
 }
@@ -220,6 +221,8 @@ pub struct Executor<'s> {
     spec: &'s ModelSpec,
     plan: Plan,
     pool: Pool,
+    /// A one-thread pool for work already inside a parallel task (per-expert matvecs).
+    serial: Pool,
     s: Scratch,
 }
 
@@ -285,6 +288,7 @@ impl<'s> Executor<'s> {
             spec,
             plan,
             pool: Pool::new(n_threads),
+            serial: Pool::new(1),
             s,
         }
     }
@@ -377,7 +381,14 @@ impl<'s> Executor<'s> {
             match layer.ffn {
                 FfnKind::Dense => Self::dense(spec, &self.pool, s, &lw, l)?,
                 FfnKind::Moe => {
-                    Self::moe(spec, &self.pool, s, &lw, l, w.experts.as_mut())?;
+                    Self::moe(
+                        spec,
+                        (&self.pool, &self.serial),
+                        s,
+                        &lw,
+                        l,
+                        w.experts.as_mut(),
+                    )?;
                 }
             }
             ops::add_inplace(&mut s.partial, &s.mlp_out);
@@ -721,7 +732,7 @@ impl<'s> Executor<'s> {
     /// Latent MoE with shared experts: `s.xn` in, `s.mlp_out` out.
     fn moe(
         spec: &ModelSpec,
-        pool: &Pool,
+        (pool, serial): (&Pool, &Pool),
         s: &mut Scratch,
         lw: &LayerWeights<'_>,
         l: usize,
@@ -775,27 +786,28 @@ impl<'s> Executor<'s> {
             &s.xn
         };
         // routed experts, combined in ascending expert id (route() returns ids ascending)
-        s.acc[..dz].fill(0.0);
+        // Experts run in parallel, one task per expert (each task's matvecs on one thread, so
+        // a task's bits are those of the canonical row order); outputs land in per-expert
+        // slots [gate ff | up ff | h ff | out dz] and are combined afterwards in ascending id.
+        let stride = 3 * ff + dz;
         {
             let ews: Vec<ExpertWeights<'_>> = experts.experts(l, &s.ids[..k])?;
-            for (j, ew) in ews.iter().enumerate() {
-                matvec::matvec_mxfp4(pool, ew.w1_packed, ew.w1_scale, xin, &mut s.ff_gate[..ff]);
-                matvec::matvec_mxfp4(pool, ew.w3_packed, ew.w3_scale, xin, &mut s.ff_up[..ff]);
-                glu(
-                    spec.activation,
-                    &s.ff_gate[..ff],
-                    &s.ff_up[..ff],
-                    &mut s.ff_h[..ff],
-                );
-                matvec::matvec_mxfp4(
-                    pool,
-                    ew.w2_packed,
-                    ew.w2_scale,
-                    &s.ff_h[..ff],
-                    &mut s.e_out[..dz],
-                );
-                ops::axpy(&mut s.acc[..dz], s.weights[j], &s.e_out[..dz]);
-            }
+            let act = spec.activation;
+            pool.for_each_chunk(&mut s.experts_scratch[..k * stride], stride, |j, buf| {
+                let ew = &ews[j];
+                let (gate, rest) = buf.split_at_mut(ff);
+                let (up, rest) = rest.split_at_mut(ff);
+                let (h, out) = rest.split_at_mut(ff);
+                matvec::matvec_mxfp4(serial, ew.w1_packed, ew.w1_scale, xin, gate);
+                matvec::matvec_mxfp4(serial, ew.w3_packed, ew.w3_scale, xin, up);
+                glu(act, gate, up, h);
+                matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
+            });
+        }
+        s.acc[..dz].fill(0.0);
+        for j in 0..k {
+            let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];
+            ops::axpy(&mut s.acc[..dz], s.weights[j], out);
         }
         // routed_expert_norm, then the latent up-projection
         let routed: &[f32] = if p.latent_norm {

@@ -29,6 +29,8 @@ pub struct BufferSizes {
     pub max_ff: usize,
     pub n_experts: usize,
     pub n_experts_active: usize,
+    /// Width of one routed expert's FFN.
+    pub expert_ff: usize,
     pub moe_latent: usize,
 }
 
@@ -106,6 +108,7 @@ impl Plan {
             max_ff = max_ff.max(m.d_expert_ff * m.n_shared_experts.max(1));
             b.n_experts = m.n_experts;
             b.n_experts_active = m.n_experts_active;
+            b.expert_ff = m.d_expert_ff;
             b.moe_latent = m.d_latent.unwrap_or(d);
         }
         b.max_ff = max_ff;

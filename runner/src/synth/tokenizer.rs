@@ -188,8 +188,8 @@ mod tests {
             assert_eq!(r.len(), n_ranks(vocab), "vocab {vocab}");
             let set: HashSet<&Vec<u8>> = r.iter().collect();
             assert_eq!(set.len(), r.len(), "duplicate token for vocab {vocab}");
-            for b in 0..256 {
-                assert_eq!(r[b], vec![b as u8]);
+            for (b, tok) in r.iter().take(256).enumerate() {
+                assert_eq!(*tok, vec![b as u8]);
             }
         }
         assert_eq!(n_ranks(8192) + 256, 8192);

@@ -162,3 +162,36 @@ fn pool_reads_a_batch_in_parallel() {
     assert!(r[0].is_ok());
     assert!(r[1].is_err());
 }
+
+#[test]
+fn split_reads_match_single_reads() {
+    let path = test_file("split.bin", LEN);
+    let f = DirectFile::open(&path, true).expect("open");
+    let pool = ReadPool::new(3).expect("pool");
+    let one = ReadPool::new(1).expect("pool");
+    let cases: &[(u64, usize, usize)] = &[
+        (0, LEN as usize, 64 * 1024),
+        (1, 1_000_000, 64 * 1024),
+        (4096 * 5 + 3, 300_000, 4096),
+        (LEN - 200_001, 200_001, 8192),
+        (777, 5000, 1000), // piece not a multiple of the alignment: one read
+        (123, 10, 4096),   // smaller than a piece: one read
+        (2 * 4096, 3 * 4096, 4096), // aligned on both ends
+    ];
+    for &(off, len, piece) in cases {
+        for p in [&pool, &one] {
+            let span = f.span(off, len);
+            let mut buf = AlignedBuf::new(span.len).expect("buffer");
+            let lead = p
+                .read_split(&f, off, len, buf.full_mut(), piece)
+                .expect("split read");
+            assert_eq!(lead, span.lead);
+            expect_bytes(&buf.full()[lead..lead + len], off);
+        }
+    }
+    let mut small = AlignedBuf::new(4096).expect("buffer");
+    assert!(
+        pool.read_split(&f, 0, 100_000, small.full_mut(), 4096)
+            .is_err()
+    );
+}

@@ -43,6 +43,7 @@ fn streamed_globals_match_resident_bits_at_any_chunk_size() {
             &GlobalOptions {
                 chunk_bytes: chunk_rows * row_bytes,
                 o_direct: true,
+                read_threads: 3,
             },
         )
         .expect("streamed global");

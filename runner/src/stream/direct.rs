@@ -332,6 +332,57 @@ impl ReadPool {
         self.depth
     }
 
+    /// Read `offset..offset+len` of `file` into `buf` like [`DirectFile::read_into`], split
+    /// into `piece`-byte reads (a multiple of the alignment) issued in parallel: one large
+    /// pread runs at queue depth 1, which on NVMe/virtio is 2-3x slower than 4 MiB pieces at
+    /// depth 8. Returns the index in `buf` of the first requested byte.
+    pub fn read_split(
+        &self,
+        file: &DirectFile,
+        offset: u64,
+        len: usize,
+        buf: &mut [u8],
+        piece: usize,
+    ) -> Result<usize, StreamError> {
+        let span = file.span(offset, len);
+        let align = file.offset_align();
+        if len == 0
+            || piece == 0
+            || !piece.is_multiple_of(align)
+            || span.len <= piece
+            || self.depth == 1
+        {
+            return file.read_into(offset, len, buf);
+        }
+        if buf.len() < span.len {
+            return Err(StreamError::Invalid(format!(
+                "read of {len} bytes at offset {offset} of {} needs a {}-byte buffer, got {}",
+                file.path().display(),
+                span.len,
+                buf.len()
+            )));
+        }
+        let end = offset + len as u64;
+        let mut reqs: Vec<ReadReq<'_>> = buf[..span.len]
+            .chunks_mut(piece)
+            .enumerate()
+            .map(|(i, b)| {
+                let p_start = (span.start + (i * piece) as u64).max(offset);
+                let p_end = (span.start + ((i + 1) * piece) as u64).min(end);
+                ReadReq {
+                    file,
+                    offset: p_start,
+                    len: (p_end - p_start) as usize,
+                    buf: b,
+                }
+            })
+            .collect();
+        for r in self.read_all(&mut reqs) {
+            r?;
+        }
+        Ok(span.lead)
+    }
+
     /// Run every read, in parallel, issued in the given order (callers sort by disk offset);
     /// returns each read's lead offset (see [`DirectFile::read_into`]) or its error, in order.
     pub fn read_all(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<usize, StreamError>> {

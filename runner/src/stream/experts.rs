@@ -625,6 +625,10 @@ impl<'c> ExpertCache<'c> {
 }
 
 impl ExpertSource for ExpertCache<'_> {
+    fn trace(&self) -> Option<&[(u32, u32)]> {
+        self.trace.as_deref()
+    }
+
     fn begin_token(&mut self) {
         self.token += 1;
         if let Some(t) = &mut self.trace {

@@ -19,7 +19,8 @@ use k3_models::spec::{DType, ModelSpec, TensorDecl, TensorRole};
 
 use super::StreamError;
 use super::aligned::AlignedBuf;
-use super::direct::DirectFile;
+use super::direct::{DirectFile, ReadPool};
+use super::trunk::READ_PIECE;
 use crate::checkpoint::Checkpoint;
 use crate::weights::{GlobalSource, TensorBytes, WeightError};
 
@@ -41,6 +42,7 @@ pub struct StreamedGlobal {
     small: Vec<(TensorDecl, Vec<u8>)>,
     chunk_rows: usize,
     chunk: AlignedBuf,
+    pool: ReadPool,
     bits: Vec<u16>,
     row: Vec<u8>,
     bytes_read: u64,
@@ -53,6 +55,8 @@ pub struct GlobalOptions {
     /// Bytes of lm_head read per chunk (rounded to whole rows, at least one row).
     pub chunk_bytes: usize,
     pub o_direct: bool,
+    /// Queue depth of lm_head chunk reads (4 MiB pieces in parallel).
+    pub read_threads: usize,
 }
 
 impl Default for GlobalOptions {
@@ -60,6 +64,7 @@ impl Default for GlobalOptions {
         Self {
             chunk_bytes: 64 << 20,
             o_direct: true,
+            read_threads: 8,
         }
     }
 }
@@ -141,6 +146,7 @@ impl StreamedGlobal {
             small,
             chunk_rows,
             chunk,
+            pool: ReadPool::new(opts.read_threads)?,
             bits: Vec::new(),
             bytes_read: 0,
             read_seconds: 0.0,
@@ -236,12 +242,14 @@ impl GlobalSource for StreamedGlobal {
             let n = self.chunk_rows.min(m.rows - r0);
             let len = n * row_bytes;
             let t0 = Instant::now();
-            let lead = m
-                .file
-                .read_into(
+            let lead = self
+                .pool
+                .read_split(
+                    &m.file,
                     m.offset + (r0 * row_bytes) as u64,
                     len,
                     self.chunk.full_mut(),
+                    READ_PIECE,
                 )
                 .map_err(|e| io_err(&m.name, e))?;
             self.read_seconds += t0.elapsed().as_secs_f64();

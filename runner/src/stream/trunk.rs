@@ -5,8 +5,11 @@
 //! and reported), ring slots of the largest unpinned layer, O_DIRECT reads (buffered fallback,
 //! reported), and — only with at least two ring slots — one reader thread that reads the next
 //! streamed layer while the executor computes the current one. With one slot every read is
-//! synchronous and no thread is ever started (the reader would overwrite the layer being
-//! computed: wrong tokens, no error). Also [`MmapTrunk`], the page-cache comparison policy.
+//! synchronous and no reader thread is ever started (it would overwrite the layer being
+//! computed: wrong tokens, no error). Every layer read is split into 4 MiB pieces issued in
+//! parallel on a read pool (queue depth `read_threads`), used only by whoever is reading: the
+//! caller inside `layer()` with one slot, the reader thread with two or more. Also
+//! [`MmapTrunk`], the page-cache comparison policy.
 //! Must not: change bytes (views are the packed bytes), or keep a view alive past the next
 //! `layer()` call (the trait's contract; buffers move between threads only by ownership
 //! transfer through channels, so the reader can never write a buffer the executor reads).
@@ -38,7 +41,8 @@ pub struct TrunkOptions {
     pub ring_slots: usize,
     /// Read with O_DIRECT (I/O policy); falls back to buffered if the filesystem refuses.
     pub o_direct: bool,
-    /// Parallel reads used to load the pinned prefix (queue depth).
+    /// Queue depth of trunk reads: every layer read (pinned load, ring slot) is split into
+    /// [`READ_PIECE`] pieces read by this many pool threads.
     pub read_threads: usize,
     /// Load the pinned prefix in `open` (true) or each pinned layer on its first use.
     pub preload_pinned: bool,
@@ -59,8 +63,10 @@ impl Default for TrunkOptions {
     }
 }
 
-/// Pinned layers are loaded in pieces of this size, all in parallel.
-const PIN_CHUNK: usize = 16 << 20;
+/// Layers are read in pieces of this size, in parallel on the read pool (one large pread runs
+/// at queue depth 1: measured 1.1 GB/s for 32 MiB reads vs 2.8 GB/s for 4 MiB pieces at depth 8
+/// on the development VM's disk).
+pub const READ_PIECE: usize = 4 << 20;
 
 /// A loaded layer: the buffer and where the layer's first byte sits in it.
 #[derive(Debug)]
@@ -100,7 +106,8 @@ struct Prefetch {
 enum Ring {
     /// Every active layer is pinned.
     None,
-    /// One slot, synchronous reads, no thread.
+    /// One slot, synchronous reads, no prefetch thread (the read pool only works while
+    /// `layer()` blocks the caller).
     Sync {
         slot: AlignedBuf,
         holds: Option<(usize, usize)>,
@@ -115,6 +122,7 @@ pub struct StreamedTrunk {
     decls: Vec<Vec<(TensorDecl, usize)>>,
     plan: TrunkPlan,
     file: Arc<DirectFile>,
+    pool: Arc<ReadPool>,
     pinned: Vec<Option<Loaded>>,
     /// Unpinned active layers, in order.
     streamed: Vec<usize>,
@@ -190,6 +198,7 @@ impl StreamedTrunk {
         let sizes = manifest.layer_sizes();
         let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
+        let pool = Arc::new(ReadPool::new(opts.read_threads)?);
         let decls = layer_decls(spec, &manifest);
         let streamed: Vec<usize> = (plan.pinned_layers..active).collect();
 
@@ -251,6 +260,7 @@ impl StreamedTrunk {
             decls,
             plan,
             file,
+            pool,
             pinned: (0..active).map(|_| None).collect(),
             streamed,
             ring,
@@ -261,13 +271,13 @@ impl StreamedTrunk {
             huge_pages,
         };
         if opts.preload_pinned {
-            t.load_pinned(opts.read_threads)?;
+            t.load_pinned()?;
         }
         Ok(t)
     }
 
     /// Load every pinned layer not loaded yet, in parallel pieces; returns the seconds taken.
-    pub fn load_pinned(&mut self, read_threads: usize) -> Result<f64, StreamError> {
+    pub fn load_pinned(&mut self) -> Result<f64, StreamError> {
         let todo: Vec<usize> = (0..self.plan.pinned_layers)
             .filter(|&l| self.pinned[l].is_none())
             .collect();
@@ -298,14 +308,14 @@ impl StreamedTrunk {
             for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
                 let pl = &self.manifest.layers[l];
                 let size = pl.size as usize;
-                if lead == 0 && PIN_CHUNK.is_multiple_of(align) {
+                if lead == 0 && READ_PIECE.is_multiple_of(align) {
                     // Aligned start: read in pieces so the prefix loads at queue depth N.
-                    for (i, piece) in b.full_mut().chunks_mut(PIN_CHUNK).enumerate() {
-                        let start = i * PIN_CHUNK;
+                    for (i, piece) in b.full_mut().chunks_mut(READ_PIECE).enumerate() {
+                        let start = i * READ_PIECE;
                         if start >= size {
                             break;
                         }
-                        let len = (size - start).min(PIN_CHUNK);
+                        let len = (size - start).min(READ_PIECE);
                         bytes += file.span(pl.offset + start as u64, len).len as u64;
                         reqs.push(ReadReq {
                             file: &file,
@@ -324,8 +334,7 @@ impl StreamedTrunk {
                     });
                 }
             }
-            let pool = ReadPool::new(read_threads)?;
-            for r in pool.read_all(&mut reqs) {
+            for r in self.pool.read_all(&mut reqs) {
                 r?;
             }
         }
@@ -439,8 +448,14 @@ impl StreamedTrunk {
         let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
         let lead = self
-            .file
-            .read_into(pl.offset, pl.size as usize, slot.full_mut())
+            .pool
+            .read_split(
+                &self.file,
+                pl.offset,
+                pl.size as usize,
+                slot.full_mut(),
+                READ_PIECE,
+            )
             .map_err(|e| weight_err(layer, e))?;
         let secs = t0.elapsed().as_secs_f64();
         *holds = Some((layer, lead));
@@ -461,12 +476,14 @@ impl StreamedTrunk {
         let (jobs_tx, jobs_rx) = mpsc::channel::<ReadJob>();
         let (done_tx, done_rx) = mpsc::channel::<ReadDone>();
         let file = Arc::clone(&self.file);
+        let pool = Arc::clone(&self.pool);
         let handle = std::thread::Builder::new()
             .name("k3-trunk-reader".to_string())
             .spawn(move || {
                 for mut job in jobs_rx {
                     let t0 = Instant::now();
-                    let result = file.read_into(job.offset, job.len, job.buf.full_mut());
+                    let result =
+                        pool.read_split(&file, job.offset, job.len, job.buf.full_mut(), READ_PIECE);
                     let bytes = file.span(job.offset, job.len).len as u64;
                     let done = ReadDone {
                         layer: job.layer,
@@ -614,8 +631,14 @@ impl StreamedTrunk {
         })?;
         self.huge_pages |= buf.huge_pages();
         let lead = self
-            .file
-            .read_into(pl.offset, pl.size as usize, buf.full_mut())
+            .pool
+            .read_split(
+                &self.file,
+                pl.offset,
+                pl.size as usize,
+                buf.full_mut(),
+                READ_PIECE,
+            )
             .map_err(|e| weight_err(layer, e))?;
         let secs = t0.elapsed().as_secs_f64();
         self.pinned_load_seconds += secs;

@@ -275,3 +275,27 @@ fn models_and_flags_that_cannot_chat_are_refused_clearly() {
     let n_eom = ids.iter().filter(|&&i| i == eom).count();
     assert_eq!(n_eom, 2, "only the two records' own ends are control ids");
 }
+
+#[test]
+fn reset_keeps_the_stored_system_prompt_and_piped_eof_quits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    let h = dir.path().join("s.jsonl");
+    history::append_records(&h, &[Message::system("Stored.")]).expect("write");
+    // No --system: the stored one is used, and /reset starts over with it.
+    let (st, out, err) = chat(
+        &model,
+        &h,
+        &["--gen", "3", "--no-think"],
+        "one\n/reset\ntwo\n",
+    );
+    assert!(st.success(), "{out}\n{err}");
+    assert!(out.contains("[new conversation; the previous history is in "));
+    let old = history::load_jsonl(&dir.path().join("s.jsonl.reset-1")).expect("archive");
+    let new = history::load_jsonl(&h).expect("new");
+    assert_eq!(old[0], Message::system("Stored."));
+    assert_eq!(old[1], Message::user("one"));
+    assert_eq!(new[0], Message::system("Stored."));
+    assert_eq!(new[1], Message::user("two"));
+    assert_eq!(new.len(), 3);
+}

@@ -107,6 +107,13 @@ pub fn render_chat_main(a: &RenderChatArgs) -> Result<u8, Failure> {
     render::main(a)
 }
 
+/// Check the `--chat` flags, the tokenizer and an existing `--history` (read only) before the
+/// model is loaded, so a typo fails in a second rather than after loading weights.
+/// [`repl_main`] repeats these checks.
+pub fn preflight(run: &RunArgs) -> Result<(), Failure> {
+    repl::preflight(run)
+}
+
 /// Run the REPL on a loaded model; returns the exit code.
 pub fn repl_main(
     spec: &ModelSpec,

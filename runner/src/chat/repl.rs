@@ -125,9 +125,10 @@ impl HistoryFile {
         // history gets the system record first.
         let first: &[Message] = if was_empty { &messages } else { &[] };
         history::append_records(path, first).map_err(usage)?;
+        // `/reset` restarts with the same system prompt: the flag's, else the stored one.
         let h = HistoryFile {
             path: path.to_path_buf(),
-            system: system.map(str::to_string),
+            system: history::initial_system(&messages).map(str::to_string),
         };
         #[cfg(unix)]
         {
@@ -292,13 +293,18 @@ fn print_stop(o: &TurnOutcome, positions: usize, max: usize) {
     );
 }
 
-/// The REPL. See the module docs.
-pub fn main(
-    spec: &ModelSpec,
-    exec: &mut Executor<'_>,
-    providers: &mut Providers<'_>,
-    run: &RunArgs,
-) -> Result<u8, Failure> {
+/// Everything the REPL needs from the flags alone.
+struct Prepared {
+    tok_dir: PathBuf,
+    tok: Tokenizer,
+    thinking: Thinking,
+    sampling: Sampling,
+    n_gen: usize,
+}
+
+/// Check the chat flags, load the tokenizer and validate an existing history file (read
+/// only). Cheap; [`super::preflight`] runs it before the model is loaded.
+fn prepare(run: &RunArgs) -> Result<Prepared, Failure> {
     let c = &run.chat;
     if run.ids.is_some() || run.prompt.is_some() || run.prompt_file.is_some() {
         return Err(Failure::usage(
@@ -315,6 +321,41 @@ pub fn main(
     let sampling = Sampling::from_flags(c.greedy, c.temperature, c.top_p, c.seed, fresh_seed)
         .map_err(usage)?;
     let n_gen = gen_limit(run, gen_given_on_command_line())?;
+    if let Some(p) = &c.history
+        && p.exists()
+    {
+        super::session::load_transcript(p, c.system.as_deref()).map_err(usage)?;
+    }
+    Ok(Prepared {
+        tok_dir,
+        tok,
+        thinking,
+        sampling,
+        n_gen,
+    })
+}
+
+/// Validate the chat flags, the tokenizer and an existing history without touching the
+/// model or writing anything.
+pub fn preflight(run: &RunArgs) -> Result<(), Failure> {
+    prepare(run).map(|_| ())
+}
+
+/// The REPL. See the module docs.
+pub fn main(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    providers: &mut Providers<'_>,
+    run: &RunArgs,
+) -> Result<u8, Failure> {
+    let c = &run.chat;
+    let Prepared {
+        tok_dir,
+        tok,
+        thinking,
+        sampling,
+        n_gen,
+    } = prepare(run)?;
     let mut extra_stop_ids = spec.eos_token_ids.clone();
     extra_stop_ids.extend(&run.stop_ids);
 

@@ -100,7 +100,10 @@ fn pty_session_history_ctrl_c_and_restart() {
     paste.extend_from_slice(long.as_bytes());
     paste.extend_from_slice(b"\x1b[201~\r");
     pty.send(&paste);
-    std::thread::sleep(Duration::from_millis(300));
+    // rustyline writes "bracketed paste off" after it restored the cooked mode, where the
+    // terminal turns Ctrl-C into SIGINT; the prefill of ~7000 positions takes seconds.
+    pty.expect("\x1b[?2004l", T);
+    pty.pump_for(Duration::from_millis(100));
     pty.send(b"\x03");
     pty.expect(
         "[interrupted (Ctrl-C): this turn is discarded, nothing stored]",

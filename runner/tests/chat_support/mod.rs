@@ -283,6 +283,14 @@ impl Pty {
         }
     }
 
+    /// Keep reading the terminal for `d` (so the child never blocks on a full pty buffer).
+    pub fn pump_for(&mut self, d: Duration) {
+        let deadline = Instant::now() + d;
+        while Instant::now() < deadline {
+            self.pump(Duration::from_millis(10));
+        }
+    }
+
     /// Drain until the child closes the terminal, then reap it.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;

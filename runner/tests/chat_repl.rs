@@ -70,8 +70,10 @@ fn pty_session_history_ctrl_c_and_restart() {
     assert_eq!(number_after(&pre, "[prefill: reused "), n0, "{pre}");
     let turn1 = pty.expect(" tok/s); context ", T);
     assert!(
-        turn1.contains("[end of message; ") || turn1.contains("[--gen limit (24 tokens); "),
-        "turn 1 must stop on end_of_msg or the --gen limit:\n{turn1}"
+        turn1.contains("[end of message; ")
+            || turn1.contains("[--gen limit (24 tokens); ")
+            || turn1.contains("[stop id "),
+        "turn 1 must stop on end_of_msg, a stop id or the --gen limit:\n{turn1}"
     );
 
     // Ctrl-C at the prompt clears the line, like a shell.

@@ -356,7 +356,10 @@ pub fn main(
         sampling,
         n_gen,
     } = prepare(run)?;
+    // Stops besides <|end_of_msg|>: the config's eos ids, the tokenizer-level [EOS] (real K3
+    // emits 163585 as well as 163586, SYSTEM.md §6) and --stop-id.
     let mut extra_stop_ids = spec.eos_token_ids.clone();
+    extra_stop_ids.extend(tok.id_of("[EOS]"));
     extra_stop_ids.extend(&run.stop_ids);
 
     let (hist, messages) = match &c.history {

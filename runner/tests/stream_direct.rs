@@ -195,3 +195,75 @@ fn split_reads_match_single_reads() {
             .is_err()
     );
 }
+
+#[test]
+fn io_uring_pool_reads_the_same_bytes_or_falls_back() {
+    let path = test_file("uring.bin", LEN);
+    let f = DirectFile::open(&path, true).expect("open");
+    let pool = ReadPool::with_io_uring(4).expect("pool");
+    let line = pool.backend_line();
+    eprintln!("read backend: {line}");
+    if cfg!(feature = "io-uring") {
+        assert!(
+            pool.uses_io_uring() || line.contains("io_uring unavailable"),
+            "{line}"
+        );
+    } else {
+        assert!(!pool.uses_io_uring());
+        assert!(line.contains("lacks the `io-uring` feature"), "{line}");
+    }
+    let ranges: Vec<(u64, usize)> = (0..40u64)
+        .map(|i| {
+            (
+                (i * 77_777 + 13 * i) % (LEN - 90_000),
+                1 + (i as usize * 4_099) % 85_000,
+            )
+        })
+        .chain([(LEN - 3, 3), (0, 4096), (4095, 2)])
+        .collect();
+    let mut bufs: Vec<AlignedBuf> = ranges
+        .iter()
+        .map(|&(o, l)| AlignedBuf::new(f.span(o, l).len).expect("buffer"))
+        .collect();
+    let mut reqs: Vec<ReadReq<'_>> = ranges
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&(offset, len), b)| ReadReq {
+            file: &f,
+            offset,
+            len,
+            buf: b.full_mut(),
+        })
+        .collect();
+    let leads = pool.read_all(&mut reqs);
+    drop(reqs);
+    for ((&(o, l), b), lead) in ranges.iter().zip(&bufs).zip(leads) {
+        let lead = lead.expect("read");
+        expect_bytes(&b.full()[lead..lead + l], o);
+    }
+    // Errors stay per read; split reads go through the same backend.
+    let mut b1 = AlignedBuf::new(8192).expect("buffer");
+    let mut b2 = AlignedBuf::new(8192).expect("buffer");
+    let mut reqs = vec![
+        ReadReq {
+            file: &f,
+            offset: 100,
+            len: 10,
+            buf: b1.full_mut(),
+        },
+        ReadReq {
+            file: &f,
+            offset: LEN,
+            len: 10,
+            buf: b2.full_mut(),
+        },
+    ];
+    let r = pool.read_all(&mut reqs);
+    assert!(r[0].is_ok() && r[1].is_err());
+    let (off, len) = (12_345u64, 2_000_001usize);
+    let mut big = AlignedBuf::new(f.span(off, len).len).expect("buffer");
+    let lead = pool
+        .read_split(&f, off, len, big.full_mut(), 64 * 1024)
+        .expect("split");
+    expect_bytes(&big.full()[lead..lead + len], off);
+}

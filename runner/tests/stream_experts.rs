@@ -261,3 +261,24 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
     }
     req(&mut c, &spec, &ck, 4, &[1, 3]);
 }
+
+#[test]
+fn io_uring_pool_serves_the_same_experts() {
+    use k3_run::stream::direct::ReadPool;
+    let dir = test_dir("experts_uring");
+    let (model, spec) = synth_tiny(&dir, 26);
+    let ck = open_ckpt(&model, &spec);
+    let pool = ReadPool::with_io_uring(4).expect("pool");
+    let mut c = ExpertCache::new_with_pool(&spec, &ck, &ExpertCacheOptions::default(), pool)
+        .expect("cache");
+    assert!(
+        c.startup_line().contains("io_uring"),
+        "{}",
+        c.startup_line()
+    );
+    for layer in [1usize, 6, 12] {
+        c.begin_token();
+        req(&mut c, &spec, &ck, layer, &[0, 2, 7, 11, 15]);
+    }
+    assert_eq!(c.stats().misses, 15);
+}

@@ -206,3 +206,26 @@ fn mmap_policy_serves_the_same_bytes() {
     assert_eq!(s.pinned_layers, 0);
     assert!(t.startup_lines()[0].contains("page cache"));
 }
+
+#[test]
+fn io_uring_pool_serves_the_same_bytes() {
+    use k3_run::stream::direct::ReadPool;
+    let f = fixture("trunk_uring");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let n = f.sizes.len();
+    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
+    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    for ring in [1usize, 2] {
+        let budget = prefix(3) + ring as u64 * max_from(3);
+        let pool = ReadPool::with_io_uring(4).expect("pool");
+        let mut t = StreamedTrunk::open_with_pool(&f.trunk, &f.spec, &opts(budget, ring), pool)
+            .expect("open");
+        assert!(t.plan().pinned_layers >= 3 && t.plan().pinned_layers < n);
+        check_passes(&mut t, &f.spec, &ck, 2);
+        let lines = t.startup_lines().join("\n");
+        assert!(
+            lines.contains("io_uring") || lines.contains("buffered"),
+            "{lines}"
+        );
+    }
+}

@@ -270,6 +270,15 @@ impl DirectFile {
         Ok(span.lead)
     }
 
+    /// The O_DIRECT handle while direct reads work (for io_uring submission).
+    pub fn direct_fd(&self) -> Option<&File> {
+        if self.is_direct() {
+            self.direct.as_ref()
+        } else {
+            None
+        }
+    }
+
     /// Read exactly `dst.len()` bytes at `offset` into any (unaligned) destination, through
     /// the buffered handle. For small reads (headers, one embedding row).
     pub fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), StreamError> {
@@ -307,11 +316,15 @@ pub struct ReadReq<'a> {
 }
 
 /// A fixed set of reader threads: a batch of positional reads runs at queue depth
-/// `depth` (each thread issues one blocking pread at a time).
+/// `depth` (each thread issues one blocking pread at a time). With the `io-uring` feature and
+/// [`ReadPool::with_io_uring`], O_DIRECT batches go through one io_uring instead.
 #[derive(Debug)]
 pub struct ReadPool {
     pool: rayon::ThreadPool,
     depth: usize,
+    #[cfg(feature = "io-uring")]
+    ring: Option<std::sync::Mutex<super::uring::Ring>>,
+    note: Option<String>,
 }
 
 impl ReadPool {
@@ -324,7 +337,71 @@ impl ReadPool {
             .map_err(|e| {
                 StreamError::Invalid(format!("cannot start {depth} reader threads: {e}"))
             })?;
-        Ok(Self { pool, depth })
+        Ok(Self {
+            pool,
+            depth,
+            #[cfg(feature = "io-uring")]
+            ring: None,
+            note: None,
+        })
+    }
+
+    /// Like [`ReadPool::new`], but O_DIRECT batches are submitted through io_uring when this
+    /// build has the `io-uring` feature and the kernel allows it; otherwise the pread threads
+    /// are used and [`ReadPool::backend_line`] says why.
+    pub fn with_io_uring(depth: usize) -> Result<Self, StreamError> {
+        #[allow(unused_mut)]
+        let mut p = Self::new(depth)?;
+        #[cfg(feature = "io-uring")]
+        match super::uring::Ring::new(depth.max(1) as u32) {
+            Ok(r) => p.ring = Some(std::sync::Mutex::new(r)),
+            Err(e) => {
+                p.note = Some(format!(
+                    "io_uring unavailable ({e}); using {} pread threads",
+                    p.depth
+                ))
+            }
+        }
+        #[cfg(not(feature = "io-uring"))]
+        {
+            p.note = Some(format!(
+                "io_uring requested but this build lacks the `io-uring` feature; using {} pread threads",
+                p.depth
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Pool for an I/O policy: io_uring if the policy asks for it (with fallback), else threads.
+    pub fn for_policy(policy: &super::io_policy::IoPolicy) -> Result<Self, StreamError> {
+        if policy.io_uring {
+            Self::with_io_uring(policy.read_threads)
+        } else {
+            Self::new(policy.read_threads)
+        }
+    }
+
+    /// Whether batches go through io_uring.
+    pub fn uses_io_uring(&self) -> bool {
+        #[cfg(feature = "io-uring")]
+        {
+            self.ring.is_some()
+        }
+        #[cfg(not(feature = "io-uring"))]
+        {
+            false
+        }
+    }
+
+    /// One line for the start-up report: the backend and queue depth (and a fallback reason).
+    pub fn backend_line(&self) -> String {
+        if self.uses_io_uring() {
+            format!("io_uring at queue depth {}", self.depth)
+        } else if let Some(n) = &self.note {
+            n.clone()
+        } else {
+            format!("{} pread threads", self.depth)
+        }
     }
 
     /// Queue depth (number of reader threads).
@@ -386,6 +463,13 @@ impl ReadPool {
     /// Run every read, in parallel, issued in the given order (callers sort by disk offset);
     /// returns each read's lead offset (see [`DirectFile::read_into`]) or its error, in order.
     pub fn read_all(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<usize, StreamError>> {
+        #[cfg(feature = "io-uring")]
+        if let Some(ring) = &self.ring
+            && reqs.len() > 1
+        {
+            let mut ring = ring.lock().unwrap_or_else(|p| p.into_inner());
+            return ring.read_all(reqs);
+        }
         let mut results: Vec<Option<Result<usize, StreamError>>> =
             (0..reqs.len()).map(|_| None).collect();
         if reqs.len() == 1 {

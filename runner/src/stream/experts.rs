@@ -153,6 +153,16 @@ impl<'c> ExpertStore<'c> {
         o_direct: bool,
         read_threads: usize,
     ) -> Result<Self, StreamError> {
+        Self::with_pool(spec, ckpt, o_direct, ReadPool::new(read_threads)?)
+    }
+
+    /// Like [`ExpertStore::new`] with a given read pool (e.g. [`ReadPool::for_policy`]).
+    pub fn with_pool(
+        spec: &'c ModelSpec,
+        ckpt: &Checkpoint,
+        o_direct: bool,
+        pool: ReadPool,
+    ) -> Result<Self, StreamError> {
         let mut partial: HashMap<ExpertKey, [Option<u32>; 6]> = HashMap::new();
         for (i, d) in spec.tensors.iter().enumerate() {
             let (Some(layer), Some(expert)) = (d.layer, d.expert) else {
@@ -220,7 +230,7 @@ impl<'c> ExpertStore<'c> {
             entries,
             expert_buf_bytes: 0,
             expert_bytes: 0,
-            pool: ReadPool::new(read_threads)?,
+            pool,
         };
         let mut buf = 0usize;
         let mut bytes = 0u64;
@@ -270,6 +280,11 @@ impl<'c> ExpertStore<'c> {
     /// Read queue depth.
     pub fn read_threads(&self) -> usize {
         self.pool.depth()
+    }
+
+    /// The read backend (pread threads or io_uring) for reports.
+    pub fn backend_line(&self) -> String {
+        self.pool.backend_line()
     }
 
     fn layout(&self, e: &ExpertEntry) -> Layout {
@@ -465,6 +480,18 @@ impl<'c> ExpertCache<'c> {
         Ok(Self::with_store(store, opts.budget_bytes))
     }
 
+    /// Like [`ExpertCache::new`] with a given read pool (`opts.read_threads` is ignored), e.g.
+    /// `ReadPool::for_policy(&policy)` for io_uring.
+    pub fn new_with_pool(
+        spec: &'c ModelSpec,
+        ckpt: &Checkpoint,
+        opts: &ExpertCacheOptions,
+        pool: ReadPool,
+    ) -> Result<Self, StreamError> {
+        let store = ExpertStore::with_pool(spec, ckpt, opts.o_direct, pool)?;
+        Ok(Self::with_store(store, opts.budget_bytes))
+    }
+
     /// A cache over an existing store with an LRU policy.
     pub fn with_store(store: ExpertStore<'c>, budget_bytes: u64) -> Self {
         let per = store.expert_buf_bytes().max(1) as u64;
@@ -530,13 +557,13 @@ impl<'c> ExpertCache<'c> {
     /// One line for the start-up report.
     pub fn startup_line(&self) -> String {
         format!(
-            "expert cache: {} budget = {} experts of {} ({} policy); {}; {} read threads",
+            "expert cache: {} budget = {} experts of {} ({} policy); {}; {}",
             super::fmt_bytes(self.stats.budget_bytes),
             self.capacity,
             super::fmt_bytes(self.store.expert_buf_bytes() as u64),
             self.policy.name(),
             self.store.io_line(),
-            self.store.read_threads()
+            self.store.backend_line()
         )
     }
 

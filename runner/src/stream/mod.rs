@@ -21,6 +21,8 @@ pub mod plugin;
 pub mod presets;
 pub mod trace;
 pub mod trunk;
+#[cfg(feature = "io-uring")]
+pub mod uring;
 
 use std::path::Path;
 

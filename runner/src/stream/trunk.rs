@@ -190,6 +190,17 @@ impl StreamedTrunk {
     /// Open the packed trunk in `dir` (trunk.json checked against `spec`), plan it, allocate
     /// the buffers and (with `preload_pinned`) load the pinned prefix.
     pub fn open(dir: &Path, spec: &ModelSpec, opts: &TrunkOptions) -> Result<Self, StreamError> {
+        Self::open_with_pool(dir, spec, opts, ReadPool::new(opts.read_threads)?)
+    }
+
+    /// Like [`StreamedTrunk::open`] with a given read pool (`opts.read_threads` is ignored),
+    /// e.g. `ReadPool::for_policy(&policy)` for io_uring.
+    pub fn open_with_pool(
+        dir: &Path,
+        spec: &ModelSpec,
+        opts: &TrunkOptions,
+        pool: ReadPool,
+    ) -> Result<Self, StreamError> {
         let manifest = TrunkManifest::load(dir, spec)?;
         let active = opts
             .active_layers
@@ -198,7 +209,7 @@ impl StreamedTrunk {
         let sizes = manifest.layer_sizes();
         let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
-        let pool = Arc::new(ReadPool::new(opts.read_threads)?);
+        let pool = Arc::new(pool);
         let decls = layer_decls(spec, &manifest);
         let streamed: Vec<usize> = (plan.pinned_layers..active).collect();
 
@@ -372,7 +383,11 @@ impl StreamedTrunk {
     /// Whether reads currently bypass the page cache, and if not, why.
     pub fn io_line(&self) -> String {
         if self.file.is_direct() {
-            "reads use O_DIRECT (page cache bypassed)".to_string()
+            format!(
+                "reads use O_DIRECT (page cache bypassed); {} MiB pieces, {}",
+                READ_PIECE >> 20,
+                self.pool.backend_line()
+            )
         } else {
             format!(
                 "reads are buffered (page cache): {}",

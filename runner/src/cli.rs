@@ -699,6 +699,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
 
 /// `--chat`: load the model (memory flags apply) and hand it to the REPL.
 fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
+    crate::chat::preflight(a)?;
     let model_dir = a
         .model_dir
         .as_deref()

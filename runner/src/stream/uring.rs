@@ -78,7 +78,11 @@ impl Ring {
                 let r = &mut reqs[i];
                 let span = r.file.span(r.offset, r.len);
                 let Some(fd) = r.file.direct_fd() else {
-                    break;
+                    // The file fell back to buffered reads meanwhile: read it the plain way.
+                    results[i] = Some(r.file.read_into(r.offset, r.len, r.buf));
+                    next += 1;
+                    completed += 1;
+                    continue;
                 };
                 let sqe = opcode::Read::new(
                     types::Fd(fd.as_raw_fd()),
@@ -92,10 +96,20 @@ impl Ring {
                 // function returns, and it does not return before every submitted read has
                 // completed (the loop below waits for all of them).
                 if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+                    if in_flight == 0 {
+                        // Cannot happen with an empty queue; never wait on nothing.
+                        results[i] = Some(r.file.read_into(r.offset, r.len, r.buf));
+                        next += 1;
+                        completed += 1;
+                        continue;
+                    }
                     break;
                 }
                 next += 1;
                 in_flight += 1;
+            }
+            if in_flight == 0 {
+                continue;
             }
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}

@@ -120,6 +120,9 @@ pub struct MemArgs {
     /// Write every (layer, expert) request (expert_trace.bin) and a histogram here.
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
+    /// Expert-cache eviction policy plugin (.so implementing plugins/abi; default: built-in LRU).
+    #[arg(long)]
+    pub eviction_plugin: Option<PathBuf>,
     /// Print the preset table and exit.
     #[arg(long)]
     pub list_presets: bool,
@@ -387,6 +390,7 @@ pub fn memory_settings(
                 .is_some_and(|p| p.ultra_low_memory && m.trunk.is_some()),
         io,
         trace_experts: m.dump_cache_trace.is_some(),
+        eviction_plugin: m.eviction_plugin.clone(),
     };
     Ok((settings, notes))
 }

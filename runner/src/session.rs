@@ -35,6 +35,8 @@ pub struct MemorySettings {
     pub io: IoPolicy,
     /// Record every (layer, expert) request (`--dump-cache-trace`).
     pub trace_experts: bool,
+    /// Expert-cache eviction policy plugin (a cdylib implementing the k3-plugin-abi vtable).
+    pub eviction_plugin: Option<PathBuf>,
 }
 
 impl Default for MemorySettings {
@@ -47,6 +49,7 @@ impl Default for MemorySettings {
             ultra_low_memory: false,
             io: IoPolicy::direct(),
             trace_experts: false,
+            eviction_plugin: None,
         }
     }
 }
@@ -105,7 +108,8 @@ pub fn build<'c>(
                         "trunk: no --trunk-gb or --preset given: budget = the whole trunk".into(),
                     );
                 }
-                let t = StreamedTrunk::open(dir, spec, &opts)?;
+                let pool = crate::stream::direct::ReadPool::for_policy(&m.io)?;
+                let t = StreamedTrunk::open_with_pool(dir, spec, &opts, pool)?;
                 startup.extend(t.startup_lines());
                 planned += t.plan().planned_bytes();
                 pinned_load_seconds = t.pinned_load_seconds();
@@ -132,9 +136,14 @@ pub fn build<'c>(
                 o_direct: m.io.o_direct,
                 read_threads: m.io.read_threads,
             };
-            let mut c = ExpertCache::new(spec, ckpt, &opts)?;
+            let pool = crate::stream::direct::ReadPool::for_policy(&m.io)?;
+            let mut c = ExpertCache::new_with_pool(spec, ckpt, &opts, pool)?;
             if m.trace_experts {
                 c.enable_trace();
+            }
+            if let Some(p) = &m.eviction_plugin {
+                let policy = crate::stream::plugin::load_eviction_plugin(p, c.capacity())?;
+                c.set_policy(Box::new(policy));
             }
             startup.push(c.startup_line());
             planned += budget;

@@ -162,6 +162,12 @@ pub struct RunArgs {
     /// Tokenizer directory (tiktoken.model + tokenizer_config.json), e.g. the model directory.
     #[arg(long)]
     pub tok: Option<PathBuf>,
+    /// With --gen 0: prefill the prompt and save the exact decode state here.
+    #[arg(long)]
+    pub save_state: Option<PathBuf>,
+    /// Resume from a state saved with --save-state; the prompt continues after it.
+    #[arg(long)]
+    pub load_state: Option<PathBuf>,
     /// Maximum context (positions) to plan the KV cache for (default: prompt + --gen).
     #[arg(long)]
     pub max_context: Option<usize>,
@@ -504,10 +510,26 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
     let threads = run_threads(a)?;
-    let positions = a
-        .max_context
-        .unwrap_or(prompt.len() + a.n_gen)
-        .max(prompt.len() + a.n_gen);
+    if a.save_state.is_some() && a.n_gen != 0 {
+        return Err(Failure::usage(
+            "--save-state saves the state after the prompt: use it with --gen 0",
+        ));
+    }
+    let (start, prefix_ids) = match &a.load_state {
+        Some(p) => crate::statefile::load(p, &spec).map_err(|e| Failure::usage(e.to_string()))?,
+        None => (crate::exec::SeqState::new(&spec), Vec::new()),
+    };
+    if !prefix_ids.is_empty() {
+        eprintln!(
+            "resuming from {} saved positions ({})",
+            prefix_ids.len(),
+            a.load_state
+                .as_deref()
+                .map_or(String::new(), |p| p.display().to_string())
+        );
+    }
+    let needed = prefix_ids.len() + prompt.len() + a.n_gen;
+    let positions = a.max_context.unwrap_or(needed).max(needed);
     let plan = Plan::new(&spec, positions);
     eprintln!(
         "k3-run {}: {} ({} layers, d_model {}, vocab {}), {} threads, {} kernels",
@@ -551,9 +573,23 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
         !interrupted.load(Ordering::Relaxed)
     };
-    let res = run::generate(&spec, &mut exec, providers, &req, &mut on_token);
+    let res = run::generate_from(&spec, &mut exec, providers, &req, start, &mut on_token);
     let res = match res {
-        Ok(r) => r,
+        Ok((r, end_state)) => {
+            if let Some(p) = &a.save_state {
+                let ids: Vec<u32> = prefix_ids.iter().chain(&req.prompt_ids).copied().collect();
+                crate::statefile::save(p, &spec, &end_state, &ids).map_err(|e| Failure {
+                    code: exit::OUT_WRITE,
+                    msg: e.to_string(),
+                })?;
+                eprintln!(
+                    "saved the state after {} positions to {}",
+                    ids.len(),
+                    p.display()
+                );
+            }
+            r
+        }
         Err(e) => {
             let expert_failures = providers.experts.stats().load_failures;
             let f = exec_failure(e);
@@ -651,6 +687,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     let json = serde_json::json!({
         "model": spec.name,
         "prompt_ids": res.prompt_ids,
+        "resumed_positions": prefix_ids.len(),
         "generated_ids": res.generated_ids,
         "first_logits_hash": res.first_logits_hash,
         "incremental": a.incremental,

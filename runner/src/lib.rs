@@ -15,6 +15,7 @@ pub mod resident;
 pub mod run;
 pub mod runconfig;
 pub mod session;
+pub mod statefile;
 pub mod stream;
 pub mod synth;
 pub mod weights;

@@ -57,7 +57,7 @@ pub fn logits_hash(x: &[f32]) -> String {
 /// Called after every generated token (for the per-token line); return false to stop early.
 pub type OnToken<'f> = dyn FnMut(usize, u32, f64) -> bool + 'f;
 
-/// Greedy generation.
+/// Greedy generation from a fresh state.
 pub fn generate(
     spec: &ModelSpec,
     exec: &mut Executor<'_>,
@@ -65,9 +65,23 @@ pub fn generate(
     req: &GenRequest,
     on_token: &mut OnToken<'_>,
 ) -> Result<GenResult, ExecError> {
+    generate_from(spec, exec, w, req, SeqState::new(spec), on_token).map(|(r, _)| r)
+}
+
+/// Greedy generation continuing from `start` (a state that has already consumed some prefix,
+/// e.g. loaded with `--load-state`). Returns the result and the final state (after every fed
+/// token; with `n_gen == 0`, exactly the state after the prompt).
+pub fn generate_from(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    req: &GenRequest,
+    start: SeqState,
+    on_token: &mut OnToken<'_>,
+) -> Result<(GenResult, SeqState), ExecError> {
     let t0 = Instant::now();
     let mut logits = vec![0.0f32; spec.vocab_size];
-    let mut state = SeqState::new(spec);
+    let mut state = start.clone();
     let mut res = GenResult {
         prompt_ids: req.prompt_ids.clone(),
         ..GenResult::default()
@@ -102,8 +116,8 @@ pub fn generate(
         if req.incremental {
             exec.step(next, &mut state, w, &mut logits)?;
         } else {
-            // full recompute: a fresh state fed the whole prefix again
-            state = SeqState::new(spec);
+            // full recompute: the starting state fed the whole prefix again
+            state = start.clone();
             let all: Vec<u32> = req
                 .prompt_ids
                 .iter()
@@ -123,7 +137,7 @@ pub fn generate(
         0.0
     };
     res.total_seconds = t0.elapsed().as_secs_f64();
-    Ok(res)
+    Ok((res, state))
 }
 
 /// Teacher forcing: feed `ids` token by token and return the argmax after every position

@@ -1,0 +1,135 @@
+//! `--save-state` / `--load-state`: a prefix prefilled once and resumed gives exactly the ids
+//! and first-step logit bits of feeding the whole prompt at once (incremental and full
+//! recompute); a state from another model, or a damaged file, is refused with exit 2.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_k3-run"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/models")
+        .join(name)
+        .join("ckpt")
+}
+
+fn run_json(args: &[&str], out: &Path) -> serde_json::Value {
+    let o = bin()
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("run k3-run");
+    assert!(
+        o.status.success(),
+        "k3-run {args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(out).expect("--out written")).expect("json")
+}
+
+#[test]
+fn resumed_state_equals_whole_prompt() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("statefile");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let a = fixture("A");
+    let a = a.to_str().expect("utf-8 path");
+    let state = dir.join("prefix.state");
+    let state_s = state.to_str().expect("utf-8 path");
+    let whole = run_json(
+        &[
+            a,
+            "--ids",
+            "11,22,33,44,55,66,77,88",
+            "--gen",
+            "6",
+            "--incremental",
+        ],
+        &dir.join("whole.json"),
+    );
+    let _ = run_json(
+        &[
+            a,
+            "--ids",
+            "11,22,33,44,55",
+            "--gen",
+            "0",
+            "--save-state",
+            state_s,
+        ],
+        &dir.join("save.json"),
+    );
+    for mode in [&["--incremental"][..], &[][..]] {
+        let mut args = vec![
+            a,
+            "--ids",
+            "66,77,88",
+            "--gen",
+            "6",
+            "--load-state",
+            state_s,
+        ];
+        args.extend_from_slice(mode);
+        let resumed = run_json(&args, &dir.join("resumed.json"));
+        assert_eq!(
+            resumed["generated_ids"], whole["generated_ids"],
+            "mode {mode:?}"
+        );
+        assert_eq!(
+            resumed["first_logits_hash"], whole["first_logits_hash"],
+            "mode {mode:?}"
+        );
+        assert_eq!(resumed["resumed_positions"], 5);
+    }
+    // a state from another model is refused, naming the file
+    let b = fixture("B");
+    let o = bin()
+        .args([
+            b.to_str().expect("utf-8"),
+            "--ids",
+            "1",
+            "--gen",
+            "1",
+            "--load-state",
+            state_s,
+        ])
+        .arg("--out")
+        .arg(dir.join("b.json"))
+        .output()
+        .expect("run");
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("different model") && err.contains("prefix.state"),
+        "{err}"
+    );
+    // a truncated file is refused
+    let bytes = std::fs::read(&state).expect("read state");
+    let cut = dir.join("cut.state");
+    std::fs::write(&cut, &bytes[..bytes.len() - 7]).expect("write");
+    let o = bin()
+        .args([
+            a,
+            "--ids",
+            "1",
+            "--gen",
+            "1",
+            "--load-state",
+            cut.to_str().expect("utf-8"),
+        ])
+        .arg("--out")
+        .arg(dir.join("c.json"))
+        .output()
+        .expect("run");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("truncated"));
+    // --save-state needs --gen 0
+    let o = bin()
+        .args([a, "--ids", "1", "--gen", "2", "--save-state", state_s])
+        .output()
+        .expect("run");
+    assert_eq!(o.status.code(), Some(2));
+}

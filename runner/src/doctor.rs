@@ -1,17 +1,1183 @@
-//! `k3-run doctor`: can this machine run the model, and how fast can it read?
+//! `k3-run doctor`: can this machine run Kimi K3, with which preset, and how fast can it read?
 //!
-//! PLACEHOLDER being replaced by the benchmark engineer; the signatures are the contract with
-//! `cli.rs`.
+//! Owns: the machine check — toolchain (`rustc`/`cargo` versions against the workspace's
+//! `rust-version`), CPU model and the kernel paths it can run (`k3_kernels::isa`), memory
+//! (`MemAvailable`, the cgroup limit, transparent huge pages) and the preset that follows from
+//! it, the disk measured the way the engine reads it (large random `O_DIRECT` reads, 8 MiB and
+//! 4096-aligned by default, at queue depth 1 and 16, over a test file written under `--dir`
+//! and deleted afterwards), the DRAM streaming-read bandwidth (all threads and one thread, a
+//! buffer far larger than the caches), the exact next commands, and `--json` with every figure
+//! (the benchmark scripts in `bench/` read it to compute the I/O and memory floors).
+//! Must not: touch any model file, keep the test file, or measure through the page cache
+//! (buffered reads of a file just written measure RAM, not the disk: the disk part refuses
+//! when `O_DIRECT` is refused, and refuses tmpfs/ramfs).
+//! Follows upstream: SYSTEM.md §8 and the Korean seed's `scripts/k3-doctor.sh` (preset from
+//! `MemAvailable`: >= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10 laptop, else the
+//! machine cannot run the model; disk measured "the way the engine reads it", like
+//! `tools/devbw.py`; the exact next command; non-zero exit when the model cannot run).
+//!
+//! Units: GB = 1e9 bytes (like the presets and `--trunk-gb`); the preset thresholds compare
+//! the smaller of `MemAvailable` and the cgroup headroom (limit - usage, v1 or v2) in GB.
+//!
+//! Exit codes of `k3-run doctor`: 0 the machine can run real K3 (a preset was chosen and every
+//! measurement asked for was made); 1 it cannot (less than 10 GB available); 2 usage error or
+//! a measurement could not be made (bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
+//! refused); 5 stopped by Ctrl-C (the test file is removed first).
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
 
 use clap::Args;
+use serde::Serialize;
 
-use crate::cli::Failure;
+use crate::cli::{Failure, exit};
+use crate::stream::aligned::{AlignedBuf, IO_ALIGN};
+use crate::stream::direct::DirectFile;
+
+/// Exit code: the machine cannot run real K3 (less than [`MIN_LAPTOP_GB`] available).
+pub const EXIT_CANNOT_RUN: u8 = 1;
+
+/// Minimum `rustc` to build the workspace (root Cargo.toml `rust-version`).
+pub const MIN_RUSTC: (u32, u32) = (1, 95);
+
+/// Preset thresholds on available memory, in GB (SYSTEM.md §8), largest first.
+pub const PRESET_THRESHOLDS_GB: [(f64, &str); 4] = [
+    (192.0, "server"),
+    (96.0, "workstation"),
+    (32.0, "desktop"),
+    (10.0, "laptop"),
+];
+
+/// Below this many GB available, real K3 cannot run (the laptop preset peaks at 8.2 GB RSS).
+pub const MIN_LAPTOP_GB: f64 = 10.0;
 
 /// Flags of `k3-run doctor`.
 #[derive(Args, Debug, Clone)]
-pub struct DoctorArgs {}
+pub struct DoctorArgs {
+    /// Directory on the disk to measure (the packed trunk's disk; not tmpfs). A test file is
+    /// written there and deleted afterwards.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+    /// Size of the test file in GB (fractions allowed). Larger than any device or host cache
+    /// gives honest figures; every read size is one pass over the file at most.
+    #[arg(long, default_value_t = 4.0)]
+    pub size_gb: f64,
+    /// Size of one random read in KiB (a multiple of 4; default 8 MiB like a trunk layer piece).
+    #[arg(long, default_value_t = 8192)]
+    pub block_kib: usize,
+    /// Queue depths to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub qd: Vec<usize>,
+    /// Read orders to measure (comma-separated): random (every block once, shuffled: the
+    /// expert pattern) and/or sequential (blocks in file order, N in flight: the trunk pattern).
+    #[arg(long, value_delimiter = ',', default_value = "random,sequential")]
+    pub order: Vec<ReadOrder>,
+    /// Upper bound on the seconds spent reading at each queue depth.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// DRAM test buffer in MiB (far larger than the last-level cache).
+    #[arg(long, default_value_t = 1024)]
+    pub dram_mib: usize,
+    /// Timed repetitions of the DRAM read (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    pub dram_reps: usize,
+    /// Measure random reads of this existing file instead of writing a test file (read only;
+    /// never modified or deleted). The benchmarks point it at trunk.bin: the very file the
+    /// engine streams, on the same disk, with the same device and host caching.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Skip the disk measurement.
+    #[arg(long)]
+    pub no_disk: bool,
+    /// Skip the DRAM measurement.
+    #[arg(long)]
+    pub no_dram: bool,
+    /// Checkpoint directory to put into the printed commands (default ~/k3model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Packed trunk directory to put into the printed commands (default DIR/k3trunk).
+    #[arg(long)]
+    pub trunk: Option<PathBuf>,
+    /// Write every figure as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The order of the blocks a read measurement visits.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadOrder {
+    /// Every block once, in a shuffled order (routed experts: scattered reads).
+    Random,
+    /// Blocks in file order with `qd` in flight (the streamed trunk: layer after layer).
+    Sequential,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pure parts (unit-tested)
+
+/// The preset for `available_bytes` of memory, or `None` when real K3 cannot run.
+pub fn pick_preset(available_bytes: u64) -> Option<&'static str> {
+    let gb = available_bytes as f64 / 1e9;
+    PRESET_THRESHOLDS_GB
+        .iter()
+        .find(|(min, _)| gb >= *min)
+        .map(|(_, name)| *name)
+}
+
+/// The next larger preset and the GB it needs, if any (for the report).
+pub fn next_preset(available_bytes: u64) -> Option<(&'static str, f64)> {
+    let gb = available_bytes as f64 / 1e9;
+    PRESET_THRESHOLDS_GB
+        .iter()
+        .rev()
+        .find(|(min, _)| gb < *min)
+        .map(|(min, name)| (*name, *min))
+}
+
+/// The fields of /proc/meminfo the doctor uses, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    pub total: u64,
+    pub available: u64,
+    pub huge_page_size: u64,
+}
+
+/// Parse /proc/meminfo text; `None` without `MemTotal` or `MemAvailable` (kernels < 3.14).
+pub fn parse_meminfo(text: &str) -> Option<MemInfo> {
+    let field = |key: &str| -> Option<u64> {
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+            Some(kb * 1024)
+        })
+    };
+    Some(MemInfo {
+        total: field("MemTotal")?,
+        available: field("MemAvailable")?,
+        huge_page_size: field("Hugepagesize").unwrap_or(0),
+    })
+}
+
+/// The memory cgroup of this process from /proc/self/cgroup text: (v2 path, v1 memory path).
+pub fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
+    let mut v2 = None;
+    let mut v1 = None;
+    for l in text.lines() {
+        let mut it = l.splitn(3, ':');
+        let (Some(id), Some(ctrl), Some(path)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        if id == "0" && ctrl.is_empty() {
+            v2 = Some(path.to_string());
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            v1 = Some(path.to_string());
+        }
+    }
+    (v2, v1)
+}
+
+/// `(major, minor, patch)` from `rustc 1.95.0 (abc 2026-01-01)` or `cargo 1.95.0 (...)`.
+pub fn parse_tool_version(line: &str) -> Option<(u32, u32, u32)> {
+    let v = line.split_whitespace().nth(1)?;
+    let v = v.split(['-', '+']).next()?;
+    let mut it = v.split('.').map(|p| p.parse::<u32>().ok());
+    Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
+}
+
+/// A deterministic permutation of `0..n_blocks` scaled to byte offsets (`i * block`), so a
+/// pass reads every block once in random order (no block twice: no device-cache hits).
+pub fn random_offsets(n_blocks: usize, block: usize, seed: u64) -> Vec<u64> {
+    let mut idx: Vec<u64> = (0..n_blocks as u64).collect();
+    let mut s = seed | 1;
+    for i in (1..idx.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let j = (s % (i as u64 + 1)) as usize;
+        idx.swap(i, j);
+    }
+    idx.into_iter().map(|i| i * block as u64).collect()
+}
+
+/// The value at quantile `q` (0..=1) of `v` (sorted in place); 0 for an empty slice.
+pub fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+    v[i]
+}
+
+/// Median of `v` (mean of the two middle values for an even count); 0 for an empty slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The measurement the I/O floor divides by: the fastest one at the largest queue depth
+/// measured (a floor must not be beaten, so it takes the disk's best pattern).
+pub fn floor_read(reads: &[ReadResult]) -> Option<&ReadResult> {
+    let qd = reads.iter().map(|r| r.qd).max()?;
+    reads
+        .iter()
+        .filter(|r| r.qd == qd)
+        .max_by(|x, y| x.mb_per_s.total_cmp(&y.mb_per_s))
+}
+
+/// Name of a filesystem magic number from statfs (the common ones).
+pub fn fs_name(magic: i64) -> &'static str {
+    match magic {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58f6 => "ramfs",
+        0x6969 => "nfs",
+        0x794c_7630 => "overlayfs",
+        0x2fc1_2fc1 => "zfs",
+        0xF2F5_2010 => "f2fs",
+        0x6573_5546 => "fuse",
+        0x6165_6e73 => "9p",
+        _ => "unknown",
+    }
+}
+
+/// Whether a filesystem lives in RAM (measuring it says nothing about a disk).
+pub fn fs_is_ram(magic: i64) -> bool {
+    matches!(fs_name(magic), "tmpfs" | "ramfs")
+}
+
+/// The device and mount point holding `path` from /proc/self/mounts text (longest prefix).
+pub fn mount_of(mounts: &str, path: &Path) -> Option<(String, String)> {
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let dev = f.next()?;
+            let mnt = f.next()?.replace("\\040", " ");
+            path.starts_with(&mnt).then(|| (dev.to_string(), mnt))
+        })
+        .max_by_key(|(_, m)| m.len())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurements
+
+/// One queue depth's random-read result.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReadResult {
+    pub order: ReadOrder,
+    pub qd: usize,
+    pub block_bytes: usize,
+    pub reads: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// Decimal MB/s (1e6 bytes).
+    pub mb_per_s: f64,
+    pub latency_median_ms: f64,
+    pub latency_p99_ms: f64,
+}
+
+/// The disk part of the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct DiskReport {
+    /// The directory measured (test file written there) or the `--file` read.
+    pub dir: String,
+    /// false with `--file`: an existing file was read, nothing written.
+    pub test_file_written: bool,
+    pub filesystem: String,
+    pub device: Option<String>,
+    pub mount_point: Option<String>,
+    pub file_bytes: u64,
+    pub write_mb_per_s: f64,
+    pub reads: Vec<ReadResult>,
+}
+
+/// The DRAM part of the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct DramReport {
+    pub buffer_bytes: u64,
+    pub threads: usize,
+    pub reps: usize,
+    /// Median GB/s (1e9 bytes) of a streaming read split over all threads.
+    pub all_threads_gb_per_s: f64,
+    /// Median GB/s of the same read by one thread.
+    pub one_thread_gb_per_s: f64,
+    /// max(all threads, one thread): the memory floor divides by this.
+    pub reference_gb_per_s: f64,
+}
+
+/// Removes the test file when dropped (also on error paths and after Ctrl-C).
+struct TestFile(PathBuf);
+
+impl Drop for TestFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn statfs(path: &Path) -> Result<libc::statfs, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| format!("{} contains a NUL byte", path.display()))?;
+    // SAFETY: zeroed statfs is a valid value for the kernel to overwrite.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out pointer.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(format!(
+            "statfs {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(st)
+}
+
+/// Fill `buf` with xorshift bytes (incompressible, so a deduplicating or compressing layer
+/// below cannot shortcut the reads).
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut s = seed | 1;
+    for c in buf.chunks_mut(8) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let b = s.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+}
+
+/// Write the test file with O_DIRECT (sequential, `block`-sized writes), fdatasync it, and
+/// return the write bandwidth in MB/s.
+fn write_test_file(
+    path: &Path,
+    n_blocks: usize,
+    block: usize,
+    stop: &AtomicBool,
+) -> Result<f64, String> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(|e| {
+            format!(
+                "cannot create the test file {} with O_DIRECT: {e} (the engine reads with O_DIRECT; \
+                 a filesystem that refuses it cannot be measured the way the engine reads)",
+                path.display()
+            )
+        })?;
+    let mut buf =
+        AlignedBuf::with_align(block, IO_ALIGN).map_err(|e| format!("test buffer: {e}"))?;
+    fill_random(buf.as_mut_slice(), 0x6b33_646f_6374_6f72);
+    let t0 = Instant::now();
+    for i in 0..n_blocks {
+        if stop.load(Ordering::Relaxed) {
+            return Err("interrupted".into());
+        }
+        // Make every block distinct: stamp the block index into each 4 KiB page.
+        for page in buf.as_mut_slice().chunks_mut(IO_ALIGN) {
+            page[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        }
+        f.write_all(buf.as_slice())
+            .map_err(|e| format!("writing the test file {}: {e}", path.display()))?;
+    }
+    f.sync_data()
+        .map_err(|e| format!("fdatasync of the test file {}: {e}", path.display()))?;
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((n_blocks * block) as f64 / 1e6 / secs.max(1e-9))
+}
+
+/// Random `block`-sized O_DIRECT reads at queue depth `qd` (qd threads, one blocking pread
+/// each) over one pass of `offsets`, stopped early after `max_seconds`.
+fn read_at_qd(
+    file: &DirectFile,
+    offsets: &[u64],
+    block: usize,
+    qd: usize,
+    max_seconds: f64,
+    stop: &AtomicBool,
+) -> Result<ReadResult, String> {
+    let next = AtomicUsize::new(0);
+    let t0 = Instant::now();
+    let per_thread: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..qd)
+            .map(|_| {
+                s.spawn(|| -> Result<Vec<f64>, String> {
+                    let mut buf = AlignedBuf::with_align(block, IO_ALIGN)
+                        .map_err(|e| format!("read buffer: {e}"))?;
+                    let mut lat = Vec::new();
+                    loop {
+                        if stop.load(Ordering::Relaxed) || t0.elapsed().as_secs_f64() >= max_seconds
+                        {
+                            break;
+                        }
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&off) = offsets.get(i) else { break };
+                        let r0 = Instant::now();
+                        file.read_into(off, block, buf.full_mut())
+                            .map_err(|e| e.to_string())?;
+                        lat.push(r0.elapsed().as_secs_f64());
+                    }
+                    Ok(lat)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a reader thread panicked".to_string()))
+            })
+            .collect()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    let mut lat = Vec::new();
+    for r in per_thread {
+        lat.extend(r?);
+    }
+    if !file.is_direct() {
+        return Err(format!(
+            "O_DIRECT reads were refused during the test ({}); buffered figures would measure \
+             the page cache, not the disk",
+            file.fallback_reason().unwrap_or_default()
+        ));
+    }
+    let reads = lat.len();
+    let bytes = (reads * block) as u64;
+    let med = quantile(&mut lat, 0.5) * 1e3;
+    let p99 = quantile(&mut lat, 0.99) * 1e3;
+    Ok(ReadResult {
+        order: ReadOrder::Random,
+        qd,
+        block_bytes: block,
+        reads,
+        bytes,
+        seconds: secs,
+        mb_per_s: bytes as f64 / 1e6 / secs.max(1e-9),
+        latency_median_ms: med,
+        latency_p99_ms: p99,
+    })
+}
+
+fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String> {
+    let target = a.file.as_deref().unwrap_or(&a.dir);
+    let target = std::fs::canonicalize(target).map_err(|e| {
+        format!(
+            "{} {}: {e}",
+            if a.file.is_some() { "--file" } else { "--dir" },
+            target.display()
+        )
+    })?;
+    if a.file.is_none() && !target.is_dir() {
+        return Err(format!("--dir {} is not a directory", target.display()));
+    }
+    if a.file.is_some() && !target.is_file() {
+        return Err(format!("--file {} is not a regular file", target.display()));
+    }
+    let block = a.block_kib * 1024;
+    if block == 0 || !block.is_multiple_of(IO_ALIGN) {
+        return Err(format!(
+            "--block-kib {} must be a positive multiple of 4 (reads are 4096-aligned)",
+            a.block_kib
+        ));
+    }
+    if !a.size_gb.is_finite() || a.size_gb <= 0.0 {
+        return Err(format!("--size-gb must be > 0, got {}", a.size_gb));
+    }
+    let qd_max = a.qd.iter().copied().max().unwrap_or(1);
+    if a.qd.is_empty() || a.qd.contains(&0) || qd_max > 256 {
+        return Err("--qd values must be in 1..=256".into());
+    }
+    let st = statfs(&target)?;
+    let magic = st.f_type as i64;
+    if fs_is_ram(magic) {
+        return Err(format!(
+            "{} is on {} (RAM, not a disk): measure the disk that will hold the packed trunk",
+            target.display(),
+            fs_name(magic)
+        ));
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mount = mount_of(&mounts, &target);
+    let (path, guard, n_blocks, write_mb_per_s) = match &a.file {
+        Some(_) => {
+            let len = std::fs::metadata(&target)
+                .map_err(|e| format!("--file {}: {e}", target.display()))?
+                .len();
+            let n = (len / block as u64) as usize;
+            (target.clone(), None, n, 0.0)
+        }
+        None => {
+            let n = ((a.size_gb * 1e9) as u64 / block as u64) as usize;
+            let file_bytes = (n * block) as u64;
+            let free = st.f_bavail * st.f_bsize as u64;
+            if free < file_bytes + (1 << 30) {
+                return Err(format!(
+                    "{} has {:.2} GB free; the {:.2} GB test file plus 1 GiB of headroom does \
+                     not fit (lower --size-gb)",
+                    target.display(),
+                    free as f64 / 1e9,
+                    file_bytes as f64 / 1e9
+                ));
+            }
+            let path = target.join(format!(".k3-doctor-{}.tmp", std::process::id()));
+            let guard = TestFile(path.clone());
+            let w = write_test_file(&path, n, block, stop)?;
+            (path, Some(guard), n, w)
+        }
+    };
+    if n_blocks < 2 * qd_max {
+        return Err(format!(
+            "the test covers only {n_blocks} reads of {} KiB; it needs at least {} (2 x the \
+             largest queue depth): raise --size-gb or use a larger --file",
+            a.block_kib,
+            2 * qd_max
+        ));
+    }
+    let file = DirectFile::open(&path, true).map_err(|e| e.to_string())?;
+    if !file.is_direct() {
+        return Err(format!(
+            "{}; buffered figures would measure the page cache, not the disk",
+            file.fallback_reason()
+                .unwrap_or_else(|| "O_DIRECT refused".into())
+        ));
+    }
+    if a.order.is_empty() {
+        return Err("--order needs random and/or sequential".into());
+    }
+    let mut reads = Vec::new();
+    for &order in &a.order {
+        for (k, &qd) in a.qd.iter().enumerate() {
+            let offsets = match order {
+                ReadOrder::Random => {
+                    random_offsets(n_blocks, block, 0x9e37_79b9_7f4a_7c15 ^ k as u64)
+                }
+                ReadOrder::Sequential => (0..n_blocks as u64).map(|i| i * block as u64).collect(),
+            };
+            let mut r = read_at_qd(&file, &offsets, block, qd, a.seconds, stop)?;
+            if stop.load(Ordering::Relaxed) {
+                return Err("interrupted".into());
+            }
+            r.order = order;
+            reads.push(r);
+        }
+    }
+    drop(file);
+    drop(guard);
+    Ok(DiskReport {
+        dir: target.display().to_string(),
+        test_file_written: a.file.is_none(),
+        filesystem: fs_name(magic).to_string(),
+        device: mount.as_ref().map(|m| m.0.clone()),
+        mount_point: mount.map(|m| m.1),
+        file_bytes: (n_blocks * block) as u64,
+        write_mb_per_s,
+        reads,
+    })
+}
+
+/// 8 independent accumulators of 4 u64 lanes: wide enough that the loads, not the ALU, limit.
+#[inline(always)]
+fn xor_reduce_plain(v: &[u64]) -> u64 {
+    let mut acc = [0u64; 32];
+    let mut it = v.chunks_exact(32);
+    for c in &mut it {
+        for j in 0..32 {
+            acc[j] ^= c[j];
+        }
+    }
+    it.remainder()
+        .iter()
+        .fold(acc.iter().fold(0, |a, b| a ^ b), |a, b| a ^ b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn xor_reduce_avx2(v: &[u64]) -> u64 {
+    xor_reduce_plain(v)
+}
+
+fn xor_reduce(v: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected at run time.
+        return unsafe { xor_reduce_avx2(v) };
+    }
+    xor_reduce_plain(v)
+}
+
+/// One streaming read of `buf` split over `threads` threads; bytes/s.
+fn read_once(buf: &[u64], threads: usize) -> f64 {
+    let chunk = buf.len().div_ceil(threads.max(1));
+    let t0 = Instant::now();
+    let sink: u64 = std::thread::scope(|s| {
+        let hs: Vec<_> = buf
+            .chunks(chunk)
+            .map(|c| s.spawn(move || xor_reduce(c)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or(0))
+            .fold(0, |a, b| a ^ b)
+    });
+    let dt = t0.elapsed().as_secs_f64();
+    std::hint::black_box(sink);
+    (buf.len() * 8) as f64 / dt.max(1e-9)
+}
+
+fn measure_dram(mib: usize, reps: usize, threads: usize) -> Result<DramReport, String> {
+    let n = (mib.max(64) << 20) / 8;
+    let mut buf: Vec<u64> = Vec::new();
+    buf.try_reserve_exact(n)
+        .map_err(|e| format!("cannot allocate the {mib} MiB DRAM test buffer: {e}"))?;
+    let mut s = 0x243f_6a88_85a3_08d3u64;
+    buf.extend((0..n).map(|_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }));
+    let reps = reps.max(1);
+    read_once(&buf, threads); // warm-up
+    let mut all: Vec<f64> = (0..reps).map(|_| read_once(&buf, threads)).collect();
+    read_once(&buf, 1);
+    let mut one: Vec<f64> = (0..reps).map(|_| read_once(&buf, 1)).collect();
+    let all = median(&mut all) / 1e9;
+    let one = median(&mut one) / 1e9;
+    Ok(DramReport {
+        buffer_bytes: (n * 8) as u64,
+        threads,
+        reps,
+        all_threads_gb_per_s: all,
+        one_thread_gb_per_s: one,
+        reference_gb_per_s: all.max(one),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Machine facts
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|r| r.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn tool_version(tool: &str) -> Option<String> {
+    let out = std::process::Command::new(tool)
+        .arg("--version")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Cgroup memory headroom (limit - usage) in bytes, if this process is under a limit.
+fn cgroup_headroom() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let (v2, v1) = parse_proc_cgroup(&text);
+    let read = |p: PathBuf| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+    if let Some(p) = v1 {
+        let dir = Path::new("/sys/fs/cgroup/memory").join(p.trim_start_matches('/'));
+        if let (Some(lim), Some(used)) = (
+            read(dir.join("memory.limit_in_bytes")),
+            read(dir.join("memory.usage_in_bytes")),
+        ) && lim < (1u64 << 60)
+        {
+            return Some((lim, lim.saturating_sub(used)));
+        }
+    }
+    if let Some(p) = v2 {
+        let dir = Path::new("/sys/fs/cgroup").join(p.trim_start_matches('/'));
+        if let (Some(lim), Some(used)) = (
+            read(dir.join("memory.max")),
+            read(dir.join("memory.current")),
+        ) {
+            return Some((lim, lim.saturating_sub(used)));
+        }
+    }
+    None
+}
+
+fn thp_mode() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .ok()
+        .and_then(|t| {
+            let t = t.trim();
+            let (_, rest) = t.split_once('[')?;
+            Some(rest.split(']').next()?.to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+fn shell_path(p: &Path) -> String {
+    let s = p.display().to_string();
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-~+,".contains(c))
+    {
+        s
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
 
 /// Run `doctor`; returns the exit code.
-pub fn main(_a: &DoctorArgs) -> Result<u8, Failure> {
-    Err(Failure::usage("doctor is not implemented yet"))
+pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
+    let stop = Arc::new(AtomicBool::new(false));
+    // first Ctrl-C: stop the measurement and remove the test file; second: default action
+    let _ = signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        exit::INTERRUPTED as i32,
+        Arc::clone(&stop),
+    );
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    let mut code = exit::OK;
+    println!(
+        "k3-run doctor ({} {})",
+        env!("CARGO_PKG_NAME"),
+        env!("CARGO_PKG_VERSION")
+    );
+
+    // toolchain
+    let rustc = tool_version("rustc");
+    let cargo = tool_version("cargo");
+    let rustc_ok = rustc
+        .as_deref()
+        .and_then(parse_tool_version)
+        .map(|(ma, mi, _)| (ma, mi) >= MIN_RUSTC);
+    println!(
+        "toolchain  {}; {}{}",
+        rustc.as_deref().unwrap_or("rustc not found"),
+        cargo.as_deref().unwrap_or("cargo not found"),
+        match rustc_ok {
+            Some(true) => format!(" (>= {}.{} needed to build: ok)", MIN_RUSTC.0, MIN_RUSTC.1),
+            Some(false) => format!(
+                " (TOO OLD: the workspace needs rustc >= {}.{} to build; this binary runs anyway)",
+                MIN_RUSTC.0, MIN_RUSTC.1
+            ),
+            None => " (only needed to build from source; this binary runs without it)".into(),
+        }
+    );
+
+    // CPU
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let physical = num_cpus::get_physical().min(logical).max(1);
+    let isas: Vec<&str> = k3_kernels::isa::available()
+        .into_iter()
+        .map(|i| i.name())
+        .collect();
+    let active = k3_kernels::isa::active().name();
+    let simd = isas.iter().any(|n| *n != "scalar");
+    println!(
+        "cpu        {}; {} logical CPUs, {} physical cores; kernel paths: {} (active: {}){}",
+        cpu_model(),
+        logical,
+        physical,
+        isas.join(" "),
+        active,
+        if simd {
+            ""
+        } else {
+            " -- NO SIMD path: only the scalar reference runs (correct, about 20x slower)"
+        }
+    );
+
+    // memory and preset
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| parse_meminfo(&t));
+    let cg = cgroup_headroom();
+    let thp = thp_mode();
+    let available = match (meminfo.map(|m| m.available), cg.map(|c| c.1)) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    };
+    match meminfo {
+        Some(m) => println!(
+            "memory     MemTotal {}, MemAvailable {}; cgroup limit {}; transparent huge pages: {}{}",
+            gb(m.total),
+            gb(m.available),
+            cg.map_or("none".into(), |(lim, head)| format!(
+                "{} ({} headroom)",
+                gb(lim),
+                gb(head)
+            )),
+            thp,
+            if thp == "never" {
+                " (O_DIRECT buffers fall back to 4 KB pages: more page pinning per read)"
+            } else {
+                ""
+            }
+        ),
+        None => println!("memory     /proc/meminfo has no MemAvailable: cannot size a preset"),
+    }
+    let preset = available.and_then(pick_preset);
+    match (preset, available) {
+        (Some(p), Some(av)) => {
+            let pr = crate::stream::presets::load_preset(p)
+                .map_err(|e| Failure::usage(e.to_string()))?;
+            println!(
+                "preset     {p}: trunk {:.2} GB + expert cache {:.2} GB ({} available >= {:.0} GB){}",
+                pr.trunk_gb,
+                pr.cache_gb,
+                gb(av),
+                PRESET_THRESHOLDS_GB
+                    .iter()
+                    .find(|(_, n)| *n == p)
+                    .map_or(0.0, |t| t.0),
+                next_preset(av).map_or(String::new(), |(n, need)| format!(
+                    "; {n} needs >= {need:.0} GB"
+                ))
+            );
+        }
+        _ => {
+            println!(
+                "preset     none: real Kimi K3 cannot run here ({} available; the smallest preset, \
+                 laptop, needs >= {MIN_LAPTOP_GB:.0} GB available; its run peaks at 8.2 GB RSS)",
+                available.map_or("unknown".into(), gb)
+            );
+            code = EXIT_CANNOT_RUN;
+        }
+    }
+
+    // disk
+    let disk = if a.no_disk {
+        None
+    } else {
+        match &a.file {
+            Some(f) => println!(
+                "disk       reading {} (existing file, read only) ...",
+                f.display()
+            ),
+            None => println!(
+                "disk       writing a {:.2} GB test file under {} ...",
+                a.size_gb,
+                a.dir.display()
+            ),
+        }
+        match measure_disk(a, &stop) {
+            Ok(d) => {
+                if d.test_file_written {
+                    println!(
+                        "disk       {} ({} on {}): {} written at {:.0} MB/s (sequential O_DIRECT), then removed",
+                        d.dir,
+                        d.filesystem,
+                        d.device.as_deref().unwrap_or("?"),
+                        gb(d.file_bytes),
+                        d.write_mb_per_s
+                    );
+                } else {
+                    println!(
+                        "disk       {} ({} on {}): {} covered by the reads",
+                        d.dir,
+                        d.filesystem,
+                        d.device.as_deref().unwrap_or("?"),
+                        gb(d.file_bytes)
+                    );
+                }
+                for r in &d.reads {
+                    println!(
+                        "disk       {:<10} {} KiB O_DIRECT reads, queue depth {:>2}: {:>6.0} MB/s ({} reads in {:.2} s; latency median {:.2} ms, p99 {:.2} ms)",
+                        match r.order {
+                            ReadOrder::Random => "random",
+                            ReadOrder::Sequential => "sequential",
+                        },
+                        r.block_bytes / 1024,
+                        r.qd,
+                        r.mb_per_s,
+                        r.reads,
+                        r.seconds,
+                        r.latency_median_ms,
+                        r.latency_p99_ms
+                    );
+                }
+                if let Some(best) = floor_read(&d.reads) {
+                    println!(
+                        "disk       I/O floor: every GB streamed per token costs >= {:.3} s ({:.0} MB/s: the fastest read at queue depth {})",
+                        1e3 / best.mb_per_s.max(1e-9),
+                        best.mb_per_s,
+                        best.qd
+                    );
+                }
+                Some(d)
+            }
+            Err(e) => {
+                if stop.load(Ordering::Relaxed) {
+                    eprintln!("k3-run doctor: stopped by Ctrl-C; test file removed");
+                    return Ok(exit::INTERRUPTED);
+                }
+                println!("disk       NOT MEASURED: {e}");
+                if code == exit::OK {
+                    code = exit::USAGE;
+                }
+                None
+            }
+        }
+    };
+
+    // DRAM
+    let dram = if a.no_dram {
+        None
+    } else {
+        match measure_dram(a.dram_mib, a.dram_reps, logical) {
+            Ok(d) => {
+                println!(
+                    "dram       streaming read of {:.2} GiB: {} threads {:.2} GB/s, 1 thread {:.2} GB/s (medians of {}); reference {:.2} GB/s",
+                    d.buffer_bytes as f64 / (1u64 << 30) as f64,
+                    d.threads,
+                    d.all_threads_gb_per_s,
+                    d.one_thread_gb_per_s,
+                    d.reps,
+                    d.reference_gb_per_s
+                );
+                println!(
+                    "dram       memory floor: every GB of weights touched per token costs >= {:.3} s",
+                    1.0 / d.reference_gb_per_s.max(1e-9)
+                );
+                Some(d)
+            }
+            Err(e) => {
+                println!("dram       NOT MEASURED: {e}");
+                if code == exit::OK {
+                    code = exit::USAGE;
+                }
+                None
+            }
+        }
+    };
+
+    // next commands
+    let model = a
+        .model
+        .as_deref()
+        .map(shell_path)
+        .unwrap_or_else(|| "~/k3model".into());
+    let trunk_dir = a.trunk.clone().unwrap_or_else(|| {
+        std::fs::canonicalize(&a.dir)
+            .unwrap_or_else(|_| a.dir.clone())
+            .join("k3trunk")
+    });
+    let trunk = shell_path(&trunk_dir);
+    let mut next = Vec::new();
+    if let Some(p) = preset {
+        if !trunk_dir.join("trunk.json").is_file() {
+            next.push(format!("k3-run pack-trunk {model} {trunk}"));
+        }
+        next.push(format!(
+            "k3-run {model} --trunk {trunk} --preset {p} --tok {model} --prompt \"The capital of France is\" --gen 8 --incremental{}",
+            if physical != logical {
+                format!(" --threads {physical}")
+            } else {
+                String::new()
+            }
+        ));
+        println!("next       (pack once, onto the disk measured above; then run)");
+        for c in &next {
+            println!("  {c}");
+        }
+    } else {
+        println!(
+            "next       nothing to run: free memory (close programs) or use a machine with >= {MIN_LAPTOP_GB:.0} GB available"
+        );
+    }
+
+    if let Some(p) = &a.json {
+        let j = serde_json::json!({
+            "cpu_model": cpu_model(),
+            "logical_cpus": logical,
+            "physical_cores": physical,
+            "isa_available": isas,
+            "isa_active": active,
+            "rustc": rustc,
+            "cargo": cargo,
+            "meminfo": meminfo,
+            "cgroup_limit_bytes": cg.map(|c| c.0),
+            "available_bytes": available,
+            "transparent_huge_pages": thp,
+            "preset": preset,
+            "disk": disk,
+            "disk_floor_mb_per_s": disk.as_ref().and_then(|d| floor_read(&d.reads)).map(|r| r.mb_per_s),
+            "dram": dram,
+            "next_commands": next,
+            "exit_code": code,
+        });
+        let text = serde_json::to_string_pretty(&j).map_err(|e| Failure::usage(e.to_string()))?;
+        crate::cli::write_atomic(p, text.as_bytes()).map_err(|e| Failure {
+            code: exit::OUT_WRITE,
+            msg: format!("cannot write --json {}: {e}", p.display()),
+        })?;
+    }
+    Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GB: u64 = 1_000_000_000;
+
+    #[test]
+    fn preset_follows_available_memory() {
+        assert_eq!(pick_preset(0), None);
+        assert_eq!(pick_preset(8 * GB), None);
+        assert_eq!(pick_preset(10 * GB - 1), None);
+        assert_eq!(pick_preset(10 * GB), Some("laptop"));
+        // this 24 GB machine (MemAvailable ~23 GB)
+        assert_eq!(pick_preset(23_231_456 * 1024), Some("laptop"));
+        assert_eq!(pick_preset(32 * GB - 1), Some("laptop"));
+        assert_eq!(pick_preset(32 * GB), Some("desktop"));
+        assert_eq!(pick_preset(95 * GB), Some("desktop"));
+        assert_eq!(pick_preset(96 * GB), Some("workstation"));
+        assert_eq!(pick_preset(191 * GB), Some("workstation"));
+        assert_eq!(pick_preset(192 * GB), Some("server"));
+        assert_eq!(pick_preset(2000 * GB), Some("server"));
+        assert_eq!(next_preset(23 * GB), Some(("desktop", 32.0)));
+        assert_eq!(next_preset(5 * GB), Some(("laptop", 10.0)));
+        assert_eq!(next_preset(500 * GB), None);
+        // every preset the doctor can pick is a shipped preset
+        for (_, name) in PRESET_THRESHOLDS_GB {
+            crate::stream::presets::load_preset(name).expect("shipped preset");
+        }
+    }
+
+    #[test]
+    fn meminfo_parses_available_not_free() {
+        let t = "MemTotal:       24684084 kB\nMemFree:         1561916 kB\n\
+                 MemAvailable:   23231456 kB\nHugepagesize:       2048 kB\n";
+        let m = parse_meminfo(t).expect("parses");
+        assert_eq!(m.total, 24_684_084 * 1024);
+        assert_eq!(m.available, 23_231_456 * 1024);
+        assert_eq!(m.huge_page_size, 2 << 20);
+        assert_eq!(parse_meminfo("MemTotal: 1 kB\nMemFree: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn cgroup_lines() {
+        let t = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
+        assert_eq!(
+            parse_proc_cgroup(t),
+            (Some("/".into()), Some("/process_api/abc".into()))
+        );
+        assert_eq!(
+            parse_proc_cgroup("0::/user.slice/x.scope\n"),
+            (Some("/user.slice/x.scope".into()), None)
+        );
+        assert_eq!(
+            parse_proc_cgroup("3:cpu,memory:/a\n"),
+            (None, Some("/a".into()))
+        );
+    }
+
+    #[test]
+    fn tool_versions() {
+        assert_eq!(
+            parse_tool_version("rustc 1.95.0 (abcdef 2026-01-01)"),
+            Some((1, 95, 0))
+        );
+        assert_eq!(
+            parse_tool_version("cargo 1.96.0-nightly (x)"),
+            Some((1, 96, 0))
+        );
+        assert_eq!(parse_tool_version("rustc"), None);
+        assert_eq!(parse_tool_version("rustc x.y"), None);
+    }
+
+    #[test]
+    fn random_offsets_are_an_aligned_permutation() {
+        let block = 8 << 20;
+        let o = random_offsets(1000, block, 7);
+        assert_eq!(o.len(), 1000);
+        assert!(o.iter().all(|&x| x % block as u64 == 0 && x % 4096 == 0));
+        let mut s = o.clone();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), 1000, "every block exactly once");
+        assert_eq!(*s.last().expect("non-empty"), 999 * block as u64);
+        // not the identity order, and deterministic
+        assert_ne!(o, (0..1000).map(|i| i * block as u64).collect::<Vec<_>>());
+        assert_eq!(o, random_offsets(1000, block, 7));
+    }
+
+    #[test]
+    fn floor_takes_the_fastest_read_at_the_deepest_queue() {
+        let r = |order, qd, mb| ReadResult {
+            order,
+            qd,
+            block_bytes: 8 << 20,
+            reads: 10,
+            bytes: 80 << 20,
+            seconds: 1.0,
+            mb_per_s: mb,
+            latency_median_ms: 1.0,
+            latency_p99_ms: 2.0,
+        };
+        let reads = vec![
+            r(ReadOrder::Random, 1, 3000.0),
+            r(ReadOrder::Random, 16, 1100.0),
+            r(ReadOrder::Sequential, 1, 900.0),
+            r(ReadOrder::Sequential, 16, 2400.0),
+        ];
+        let f = floor_read(&reads).expect("some");
+        assert_eq!(
+            (f.order, f.qd, f.mb_per_s),
+            (ReadOrder::Sequential, 16, 2400.0)
+        );
+        assert!(floor_read(&[]).is_none());
+    }
+
+    #[test]
+    fn quantiles_and_median() {
+        let mut v = vec![5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(median(&mut v.clone()), 3.0);
+        assert_eq!(quantile(&mut v, 0.0), 1.0);
+        assert_eq!(quantile(&mut v, 1.0), 5.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn filesystems_and_mounts() {
+        assert!(fs_is_ram(0x0102_1994));
+        assert!(!fs_is_ram(0xEF53));
+        assert_eq!(fs_name(0xEF53), "ext4");
+        let m =
+            "/dev/vda / ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n/dev/sdb1 /work/data xfs rw 0 0\n";
+        assert_eq!(
+            mount_of(m, Path::new("/work/data/x")),
+            Some(("/dev/sdb1".into(), "/work/data".into()))
+        );
+        assert_eq!(
+            mount_of(m, Path::new("/work/bench")),
+            Some(("/dev/vda".into(), "/".into()))
+        );
+        assert_eq!(
+            mount_of(m, Path::new("/tmp")),
+            Some(("tmpfs".into(), "/tmp".into()))
+        );
+    }
 }

@@ -123,6 +123,10 @@ pub struct MemArgs {
     /// Expert-cache eviction policy plugin (.so implementing plugins/abi; default: built-in LRU).
     #[arg(long)]
     pub eviction_plugin: Option<PathBuf>,
+    /// Speculative expert prefetch with a streamed expert cache: guess each MoE layer's
+    /// experts before its attention and read them meanwhile (`--expert-prefetch false`: off).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub expert_prefetch: Option<bool>,
     /// Print the preset table and exit.
     #[arg(long)]
     pub list_presets: bool,
@@ -397,6 +401,11 @@ pub fn memory_settings(
         io,
         trace_experts: m.dump_cache_trace.is_some(),
         eviction_plugin: m.eviction_plugin.clone(),
+        expert_prefetch: match m.expert_prefetch {
+            Some(true) => Some(crate::session::DEFAULT_PREFETCH_MARGIN),
+            Some(false) => None,
+            None => crate::session::MemorySettings::default().expert_prefetch,
+        },
     };
     Ok((settings, notes))
 }
@@ -636,6 +645,17 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             0.0
         }
     );
+    if experts.prefetched > 0 {
+        println!(
+            "expert prefetch: {} read ahead in {:.3} s (waited {:.3} s), {} requests served by them, {} wasted, guesses covered {:.2}% of routed ids",
+            experts.prefetched,
+            experts.prefetch_read_seconds,
+            experts.prefetch_wait_seconds,
+            experts.prefetch_hits,
+            experts.prefetch_wasted,
+            100.0 * experts.guess_accuracy()
+        );
+    }
     println!(
         "I/O share of wall clock: {:.1}% (trunk {:.3} s + experts {:.3} s of {:.3} s)",
         100.0 * io_share,
@@ -713,6 +733,12 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             "read_seconds": experts.read_seconds,
             "load_failures": experts.load_failures,
             "budget_bytes": experts.budget_bytes,
+            "prefetched": experts.prefetched,
+            "prefetch_hits": experts.prefetch_hits,
+            "prefetch_wasted": experts.prefetch_wasted,
+            "prefetch_read_seconds": experts.prefetch_read_seconds,
+            "prefetch_wait_seconds": experts.prefetch_wait_seconds,
+            "guess_accuracy": experts.guess_accuracy(),
         },
         "io_share": io_share,
     });

@@ -224,6 +224,33 @@ pub struct Executor<'s> {
     /// A one-thread pool for work already inside a parallel task (per-expert matvecs).
     serial: Pool,
     s: Scratch,
+    /// Expert-prefetch guess buffers (allocated on first use; never read by the real path).
+    guess: Option<GuessScratch>,
+}
+
+/// Scratch of the expert-prefetch guess, separate from [`Scratch`] so the guess cannot touch
+/// anything the real forward pass reads.
+struct GuessScratch {
+    xn: Vec<f32>,      // [d_model]
+    norm: Vec<f32>,    // [max small tensor]
+    bias: Vec<f32>,    // [max small tensor]
+    logits: Vec<f32>,  // [E]
+    ids: Vec<u32>,     // [E]
+    weights: Vec<f32>, // [E]
+}
+
+impl GuessScratch {
+    fn new(plan: &Plan) -> GuessScratch {
+        let b = &plan.buffers;
+        GuessScratch {
+            xn: vec![0.0; b.d_model],
+            norm: vec![0.0; b.max_small_tensor],
+            bias: vec![0.0; b.max_small_tensor],
+            logits: vec![0.0; b.n_experts],
+            ids: vec![0; b.n_experts],
+            weights: vec![0.0; b.n_experts],
+        }
+    }
 }
 
 /// View raw little-endian bytes as bf16 bit patterns (copying only if misaligned).
@@ -290,6 +317,7 @@ impl<'s> Executor<'s> {
             pool: Pool::new(n_threads),
             serial: Pool::new(1),
             s,
+            guess: None,
         }
     }
 
@@ -331,6 +359,20 @@ impl<'s> Executor<'s> {
         for l in 0..spec.n_layers {
             let layer = spec.layers[l];
             let lw = w.trunk.layer(l)?;
+            // ---- expert prefetch guess (speculative; cannot change any bit) ----
+            // Route with this layer's router on the current residual (rmsnorm of the partial sum
+            // with the post-attention norm) and let the expert source start reading the top
+            // (k + margin) ids while the attention below computes. Own buffers only; the real
+            // routing after attention decides.
+            if let (FfnKind::Moe, Some(margin)) = (layer.ffn, w.experts.prefetch_margin()) {
+                let g = self
+                    .guess
+                    .get_or_insert_with(|| GuessScratch::new(&self.plan));
+                if let Some(n) = Self::guess_experts(spec, &self.pool, &s.partial, g, &lw, margin) {
+                    w.experts.prefetch(l, &g.ids[..n]);
+                }
+            }
+            // ---- end expert prefetch guess ----
             // blk.{l}.attn_in
             match &spec.attn_res {
                 Some(ar) => {
@@ -427,6 +469,53 @@ impl<'s> Executor<'s> {
         w.global.lm_head(&self.pool, &s.xn, logits)?;
         state.n_pos += 1;
         Ok(())
+    }
+
+    /// The expert-prefetch guess of layer `l`: top-(k + margin) ids (ascending) of the layer's
+    /// router on rmsnorm(`resid`, post-attention norm) into `g.ids`; returns how many, or
+    /// `None` when a tensor it needs is missing (then no guess is made).
+    fn guess_experts(
+        spec: &ModelSpec,
+        pool: &Pool,
+        resid: &[f32],
+        g: &mut GuessScratch,
+        lw: &LayerWeights<'_>,
+        margin: usize,
+    ) -> Option<usize> {
+        let p = spec.moe.as_ref()?;
+        let ne = p.n_experts;
+        let n = (p.n_experts_active + margin).min(ne);
+        let nw = widen(lw.get(TensorRole::PostAttnNorm)?, &mut g.norm);
+        ops::rmsnorm(resid, Some(&g.norm[..nw]), spec.rms_norm_eps, &mut g.xn);
+        lin(
+            pool,
+            lw.get(TensorRole::Router)?,
+            &g.xn,
+            &mut g.logits[..ne],
+        );
+        let bias = if p.has_score_bias {
+            let nb = widen(lw.get(TensorRole::RouterBias)?, &mut g.bias);
+            Some(&g.bias[..nb])
+        } else {
+            None
+        };
+        let cfg = router::RouterCfg {
+            top_k: n,
+            scoring: match p.scoring {
+                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
+                RouterScoring::Softmax => router::Scoring::Softmax,
+            },
+            renormalize: p.renormalize,
+            scale: p.routed_scaling_factor,
+        };
+        router::route(
+            &g.logits[..ne],
+            bias,
+            &cfg,
+            &mut g.ids[..n],
+            &mut g.weights[..n],
+        );
+        Some(n)
     }
 
     /// x = AttnRes(blocks ∪ {partial}) with the pseudo-query `norm ⊙ proj` folded in f32.

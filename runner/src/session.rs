@@ -37,7 +37,14 @@ pub struct MemorySettings {
     pub trace_experts: bool,
     /// Expert-cache eviction policy plugin (a cdylib implementing the k3-plugin-abi vtable).
     pub eviction_plugin: Option<PathBuf>,
+    /// Speculative expert prefetch (`--expert-prefetch`): `Some(margin)` makes the executor
+    /// guess the top-(k + margin) experts of each MoE layer before its attention and the cache
+    /// read them in the background. Only warms the cache; never changes a bit.
+    pub expert_prefetch: Option<usize>,
 }
+
+/// Extra guessed experts per MoE layer when `--expert-prefetch` is on.
+pub const DEFAULT_PREFETCH_MARGIN: usize = 4;
 
 impl Default for MemorySettings {
     fn default() -> Self {
@@ -50,6 +57,7 @@ impl Default for MemorySettings {
             io: IoPolicy::direct(),
             trace_experts: false,
             eviction_plugin: None,
+            expert_prefetch: None,
         }
     }
 }
@@ -141,6 +149,7 @@ pub fn build<'c>(
             if m.trace_experts {
                 c.enable_trace();
             }
+            c.set_prefetch_margin(m.expert_prefetch);
             if let Some(p) = &m.eviction_plugin {
                 let policy = crate::stream::plugin::load_eviction_plugin(p, c.capacity())?;
                 c.set_policy(Box::new(policy));

@@ -87,10 +87,28 @@ pub struct ExpertStats {
     pub evictions: u64,
     /// Requests served from RAM that was resident before the token asked for them.
     pub resident_hits: u64,
+    /// Every expert byte read, demand and prefetch.
     pub bytes_read: u64,
+    /// Seconds the executor was blocked on expert reads (demand reads + waits for prefetches).
     pub read_seconds: f64,
     pub load_failures: u64,
     pub budget_bytes: u64,
+    /// Experts read ahead by [`ExpertSource::prefetch`].
+    pub prefetched: u64,
+    /// Requests served by a prefetched expert (raw hits, never resident hits).
+    pub prefetch_hits: u64,
+    /// Prefetched experts the routing did not pick (or evicted before any use).
+    pub prefetch_wasted: u64,
+    /// Prefetch reads that failed (the later request reads again and reports).
+    pub prefetch_failures: u64,
+    pub prefetch_bytes: u64,
+    /// Seconds of background prefetch reads (overlapped with compute, or waited for).
+    pub prefetch_read_seconds: f64,
+    /// Seconds the executor waited for prefetch reads (included in `read_seconds`).
+    pub prefetch_wait_seconds: f64,
+    /// Requests of layers that had a guess, and how many of those ids the guess contained.
+    pub guessed_requests: u64,
+    pub guess_covered: u64,
 }
 
 impl ExpertStats {
@@ -99,6 +117,15 @@ impl ExpertStats {
             0.0
         } else {
             self.resident_hits as f64 / self.requests as f64
+        }
+    }
+
+    /// Fraction of routed ids (in layers with a guess) that the prefetch guess contained.
+    pub fn guess_accuracy(&self) -> f64 {
+        if self.guessed_requests == 0 {
+            0.0
+        } else {
+            self.guess_covered as f64 / self.guessed_requests as f64
         }
     }
 }
@@ -123,6 +150,14 @@ pub trait ExpertSource: Send {
     fn stats(&self) -> ExpertStats;
     /// The (layer, expert) request trace, when the provider records one (`--dump-cache-trace`).
     fn trace(&self) -> Option<&[(u32, u32)]> {
+        None
+    }
+    /// Hint (non-binding): `ids` of `layer` will probably be requested soon; a provider may
+    /// start reading them in the background. Never changes what `experts` returns.
+    fn prefetch(&mut self, _layer: usize, _ids: &[u32]) {}
+    /// `Some(margin)`: the provider wants a guess of the top-(k + margin) experts before each
+    /// MoE layer (passed to [`ExpertSource::prefetch`]); `None`: no guesses (default).
+    fn prefetch_margin(&self) -> Option<usize> {
         None
     }
 }

@@ -7,7 +7,11 @@
 //! slot states (empty / in flight / ready), a pluggable [`EvictionPolicy`] ([`Lru`] default)
 //! and the counters, including the TRUE resident hit rate (served from RAM that was resident
 //! before the token asked; [`ExpertSource::begin_token`] marks the boundary). A budget of 0
-//! caches nothing and serves each call from a scratch area.
+//! caches nothing and serves each call from a scratch area. Speculative prefetch
+//! ([`ExpertSource::prefetch`]): guessed experts are read on a background thread into claimed
+//! slots (state in flight, buffer handed to the thread) while the executor computes; a later
+//! request waits for them instead of reading twice. Prefetch-served requests count as raw hits,
+//! never as resident hits, and are counted apart (prefetched / prefetch hits / wasted).
 //! Must not: decode or zero anything: a failed read is returned as `WeightError::Expert` (the
 //! run finishes and exits 4), never replaced by zeros.
 //! Follows upstream: SYSTEM.md §4 and the seeds (expert LRU cache, true resident hit rate
@@ -15,6 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use k3_models::spec::{ModelSpec, TensorRole};
@@ -126,13 +131,16 @@ struct Layout {
 /// Reads routed experts from the checkpoint shards.
 pub struct ExpertStore<'c> {
     spec: &'c ModelSpec,
-    files: Vec<DirectFile>,
+    /// Shared with the prefetch thread.
+    files: Arc<Vec<DirectFile>>,
     entries: HashMap<ExpertKey, ExpertEntry>,
     /// Buffer bytes one expert needs (max over experts).
     expert_buf_bytes: usize,
     /// Exact payload bytes of one expert (max over experts).
     expert_bytes: u64,
-    pool: ReadPool,
+    /// Shared with the prefetch thread (rayon scopes and the io_uring mutex allow callers on
+    /// several threads).
+    pool: Arc<ReadPool>,
 }
 
 impl std::fmt::Debug for ExpertStore<'_> {
@@ -226,11 +234,11 @@ impl<'c> ExpertStore<'c> {
         }
         let mut store = Self {
             spec,
-            files,
+            files: Arc::new(files),
             entries,
             expert_buf_bytes: 0,
             expert_bytes: 0,
-            pool,
+            pool: Arc::new(pool),
         };
         let mut buf = 0usize;
         let mut bytes = 0u64;
@@ -403,6 +411,127 @@ impl<'c> ExpertStore<'c> {
     }
 }
 
+/// One expert a prefetch reads: its slot, key, layout and the slot's buffer (owned by the
+/// prefetch thread until the read is done).
+struct PrefetchItem {
+    slot: usize,
+    key: ExpertKey,
+    layout: Layout,
+    buf: AlignedBuf,
+}
+
+/// One prefetched item back from the thread with its read result.
+type ReadOutcome = (PrefetchItem, Result<(), String>);
+
+/// A finished prefetch batch: every item back with its read result, bytes and seconds.
+struct PrefetchDone {
+    items: Vec<ReadOutcome>,
+    bytes: u64,
+    seconds: f64,
+}
+
+/// The background reader of prefetches: one thread that runs each batch on the store's read
+/// pool and sends the buffers back. Dropping it closes the job channel and joins the thread.
+struct Prefetcher {
+    jobs: Option<mpsc::Sender<Vec<PrefetchItem>>>,
+    done: mpsc::Receiver<PrefetchDone>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Batches sent and not yet received back.
+    in_flight: usize,
+}
+
+impl Prefetcher {
+    fn start(files: Arc<Vec<DirectFile>>, pool: Arc<ReadPool>) -> Result<Self, String> {
+        let (job_tx, job_rx) = mpsc::channel::<Vec<PrefetchItem>>();
+        let (done_tx, done_rx) = mpsc::channel::<PrefetchDone>();
+        let thread = std::thread::Builder::new()
+            .name("k3-expert-prefetch".to_string())
+            .spawn(move || {
+                for items in job_rx {
+                    let t0 = Instant::now();
+                    let (items, bytes) = read_owned(&files, &pool, items);
+                    let done = PrefetchDone {
+                        items,
+                        bytes,
+                        seconds: t0.elapsed().as_secs_f64(),
+                    };
+                    if done_tx.send(done).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start the expert prefetch thread: {e}"))?;
+        Ok(Self {
+            jobs: Some(job_tx),
+            done: done_rx,
+            thread: Some(thread),
+            in_flight: 0,
+        })
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            // A panicked prefetch thread has nothing left to clean up.
+            let _ = t.join();
+        }
+    }
+}
+
+/// Read every item's runs into its own buffer: all runs issued together, sorted by
+/// (file, offset), on `pool`.
+fn read_owned(
+    files: &[DirectFile],
+    pool: &ReadPool,
+    mut items: Vec<PrefetchItem>,
+) -> (Vec<ReadOutcome>, u64) {
+    let mut results: Vec<Result<(), String>> = vec![Ok(()); items.len()];
+    let mut bytes = 0u64;
+    {
+        let mut tagged: Vec<(usize, u16, u64, ReadReq<'_>)> = Vec::new();
+        for (i, it) in items.iter_mut().enumerate() {
+            let mut rest: &mut [u8] = it.buf.full_mut();
+            let mut at = 0usize;
+            for r in &it.layout.runs {
+                let tail = std::mem::take(&mut rest);
+                if r.buf_off < at || r.buf_off - at + r.buf_len > tail.len() {
+                    results[i] = Err("prefetch buffer too small (internal error)".to_string());
+                    break;
+                }
+                let (_, tail) = tail.split_at_mut(r.buf_off - at);
+                let (mine, tail) = tail.split_at_mut(r.buf_len);
+                rest = tail;
+                at = r.buf_off + r.buf_len;
+                bytes += r.buf_len as u64;
+                tagged.push((
+                    i,
+                    r.file,
+                    r.offset,
+                    ReadReq {
+                        file: &files[r.file as usize],
+                        offset: r.offset,
+                        len: r.len,
+                        buf: mine,
+                    },
+                ));
+            }
+        }
+        tagged.sort_by_key(|t| (t.1, t.2));
+        let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
+            tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
+        for (i, r) in tags.into_iter().zip(pool.read_all(&mut reqs)) {
+            if let Err(e) = r
+                && results[i].is_ok()
+            {
+                results[i] = Err(e.to_string());
+            }
+        }
+    }
+    (items.into_iter().zip(results).collect(), bytes)
+}
+
 /// Slot states of the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SlotState {
@@ -418,6 +547,8 @@ struct Slot {
     buf: Option<AlignedBuf>,
     tensors: [(usize, usize); 6],
     loaded_token: u64,
+    /// Loaded (or being loaded) by a prefetch and not requested since.
+    from_prefetch: bool,
 }
 
 /// Where one requested expert is served from during a call.
@@ -458,6 +589,15 @@ pub struct ExpertCache<'c> {
     token: u64,
     stats: ExpertStats,
     trace: Option<Vec<(u32, u32)>>,
+    /// Extra ids the executor should guess per MoE layer (`None`: no guesses wanted).
+    prefetch_margin: Option<usize>,
+    prefetcher: Option<Prefetcher>,
+    /// Why prefetching stopped (the thread could not start or died); prefetch is then a no-op.
+    prefetch_off: Option<String>,
+    /// The last guess (layer, ids), to measure how much of the real routing it covered.
+    guess: Option<(usize, Vec<u32>)>,
+    /// Slots the last `experts` call served from (a prefetch never evicts them).
+    last_slots: Vec<usize>,
 }
 
 impl std::fmt::Debug for ExpertCache<'_> {
@@ -510,6 +650,111 @@ impl<'c> ExpertCache<'c> {
                 ..ExpertStats::default()
             },
             trace: None,
+            prefetch_margin: None,
+            prefetcher: None,
+            prefetch_off: None,
+            guess: None,
+            last_slots: Vec::new(),
+        }
+    }
+
+    /// Ask the executor for guesses of top-(k + `margin`) experts before each MoE layer
+    /// (`None`: no guesses). [`ExpertSource::prefetch`] works either way; this only sets
+    /// [`ExpertSource::prefetch_margin`].
+    pub fn set_prefetch_margin(&mut self, margin: Option<usize>) {
+        self.prefetch_margin = margin;
+    }
+
+    /// Why prefetching was switched off during the run, if it was.
+    pub fn prefetch_failure(&self) -> Option<&str> {
+        self.prefetch_off.as_deref()
+    }
+
+    /// Take a finished prefetch batch back: buffers into their slots, E8M0 check, Ready.
+    /// A failed read or check only frees the slot (a later request reads again and reports).
+    fn finish_prefetch(&mut self, done: PrefetchDone) {
+        self.stats.prefetch_bytes += done.bytes;
+        self.stats.bytes_read += done.bytes;
+        self.stats.prefetch_read_seconds += done.seconds;
+        for (it, res) in done.items {
+            let ok = res.and_then(|()| self.store.check_scales(it.key, &it.layout, it.buf.full()));
+            let slot = &mut self.slots[it.slot];
+            slot.buf = Some(it.buf);
+            if slot.state != SlotState::InFlight || slot.key != Some(it.key) {
+                continue;
+            }
+            match ok {
+                Ok(()) => {
+                    slot.state = SlotState::Ready;
+                    slot.tensors = it.layout.tensors;
+                    self.policy.on_insert(it.key, it.slot);
+                }
+                Err(_) => {
+                    slot.state = SlotState::Empty;
+                    slot.key = None;
+                    slot.from_prefetch = false;
+                    self.stats.prefetch_failures += 1;
+                    if self.map.get(&it.key) == Some(&it.slot) {
+                        self.map.remove(&it.key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Collect finished prefetch batches; with `block`, wait until none is in flight.
+    fn poll_prefetches(&mut self, block: bool) {
+        loop {
+            let Some(p) = self.prefetcher.as_mut() else {
+                return;
+            };
+            if p.in_flight == 0 {
+                return;
+            }
+            let got = if block {
+                let t0 = Instant::now();
+                let r = p.done.recv().map_err(|_| ());
+                let waited = t0.elapsed().as_secs_f64();
+                self.stats.prefetch_wait_seconds += waited;
+                self.stats.read_seconds += waited;
+                r
+            } else {
+                match p.done.try_recv() {
+                    Ok(d) => Ok(d),
+                    Err(mpsc::TryRecvError::Empty) => return,
+                    Err(mpsc::TryRecvError::Disconnected) => Err(()),
+                }
+            };
+            match got {
+                Ok(d) => {
+                    if let Some(p) = self.prefetcher.as_mut() {
+                        p.in_flight -= 1;
+                    }
+                    self.finish_prefetch(d);
+                }
+                Err(()) => {
+                    self.abandon_prefetches("the expert prefetch thread stopped".to_string());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Switch prefetching off and free every slot a prefetch still holds.
+    fn abandon_prefetches(&mut self, why: String) {
+        self.prefetcher = None;
+        self.prefetch_off.get_or_insert(why);
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if slot.state == SlotState::InFlight && slot.from_prefetch {
+                if let Some(k) = slot.key
+                    && self.map.get(&k) == Some(&i)
+                {
+                    self.map.remove(&k);
+                }
+                slot.state = SlotState::Empty;
+                slot.key = None;
+                slot.from_prefetch = false;
+            }
         }
     }
 
@@ -591,6 +836,19 @@ impl<'c> ExpertCache<'c> {
                 100.0 * s.resident_hit_rate()
             ),
             format!(
+                "prefetch: {} experts read ahead ({} in {:.2} s, waited {:.2} s), {} requests served by them, {} wasted; guesses covered {:.2}% of routed ids{}",
+                s.prefetched,
+                super::fmt_bytes(s.prefetch_bytes),
+                s.prefetch_read_seconds,
+                s.prefetch_wait_seconds,
+                s.prefetch_hits,
+                s.prefetch_wasted,
+                100.0 * s.guess_accuracy(),
+                self.prefetch_off
+                    .as_deref()
+                    .map_or_else(String::new, |f| format!(" (STOPPED: {f})"))
+            ),
+            format!(
                 "eviction policy {}{}",
                 self.policy.name(),
                 self.policy
@@ -623,6 +881,7 @@ impl<'c> ExpertCache<'c> {
                 buf: None,
                 tensors: [(0, 0); 6],
                 loaded_token: 0,
+                from_prefetch: false,
             });
             return Some(self.slots.len() - 1);
         }
@@ -645,8 +904,12 @@ impl<'c> ExpertCache<'c> {
         self.policy.on_remove(old, i);
         self.stats.evictions += 1;
         let s = &mut self.slots[i];
+        if s.from_prefetch {
+            self.stats.prefetch_wasted += 1;
+        }
         s.state = SlotState::Empty;
         s.key = None;
+        s.from_prefetch = false;
         Some(i)
     }
 }
@@ -677,6 +940,15 @@ impl ExpertSource for ExpertCache<'_> {
         if let Some(t) = &mut self.trace {
             t.extend(ids.iter().map(|&e| (layer as u32, e)));
         }
+        // Every prefetch lands (or fails) before this call looks at the slots: no slot is in
+        // flight below except this call's own misses, so nothing is read twice.
+        self.poll_prefetches(true);
+        if let Some((gl, g)) = self.guess.take()
+            && gl == layer
+        {
+            self.stats.guessed_requests += ids.len() as u64;
+            self.stats.guess_covered += ids.iter().filter(|id| g.contains(id)).count() as u64;
+        }
         self.stats.requests += ids.len() as u64;
         let mut places: Vec<Option<Place>> = vec![None; ids.len()];
         let mut protected: HashSet<usize> = HashSet::new();
@@ -689,10 +961,33 @@ impl ExpertSource for ExpertCache<'_> {
                 places[i] = Some(Place::Slot(s));
                 protected.insert(s);
                 self.stats.hits += 1;
-                if self.slots[s].loaded_token < self.token {
+                let slot = &mut self.slots[s];
+                if slot.from_prefetch {
+                    // Fetched by a guess, not resident before the token needed it.
+                    slot.from_prefetch = false;
+                    self.stats.prefetch_hits += 1;
+                } else if slot.loaded_token < self.token {
                     self.stats.resident_hits += 1;
                 }
                 self.policy.on_access(key, s);
+            }
+        }
+        // Guesses for this layer that the routing did not pick: dropped at once, so a wrong
+        // guess never pushes a useful expert out later (with cyclic layer order, a cache just
+        // above the working set would otherwise fall off the LRU cliff).
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(k) = slot.key
+                && slot.from_prefetch
+                && k.0 == layer
+            {
+                slot.from_prefetch = false;
+                slot.state = SlotState::Empty;
+                slot.key = None;
+                if self.map.get(&k) == Some(&i) {
+                    self.map.remove(&k);
+                }
+                self.policy.on_remove(k, i);
+                self.stats.prefetch_wasted += 1;
             }
         }
         // Misses: claim slots (or scratch), in ascending id order.
@@ -809,6 +1104,12 @@ impl ExpertSource for ExpertCache<'_> {
         if let Some(e) = first_err {
             return Err(e);
         }
+        self.last_slots.clear();
+        for p in &places {
+            if let Some(Place::Slot(s)) = p {
+                self.last_slots.push(*s);
+            }
+        }
         let mut out = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
             let (buf, t) = match places[i] {
@@ -839,5 +1140,100 @@ impl ExpertSource for ExpertCache<'_> {
 
     fn stats(&self) -> ExpertStats {
         self.stats.clone()
+    }
+
+    fn prefetch_margin(&self) -> Option<usize> {
+        if self.capacity == 0 || self.prefetch_off.is_some() {
+            None
+        } else {
+            self.prefetch_margin
+        }
+    }
+
+    fn prefetch(&mut self, layer: usize, ids: &[u32]) {
+        self.guess = Some((layer, ids.to_vec()));
+        if self.capacity == 0 || self.prefetch_off.is_some() {
+            return;
+        }
+        self.poll_prefetches(false);
+        if self.prefetcher.is_none() {
+            match Prefetcher::start(Arc::clone(&self.store.files), Arc::clone(&self.store.pool)) {
+                Ok(p) => self.prefetcher = Some(p),
+                Err(e) => {
+                    self.prefetch_off = Some(e);
+                    return;
+                }
+            }
+        }
+        // Never evicted for a guess: what the last request used, other guesses still pending,
+        // slots in flight, and guessed experts already resident.
+        let mut protected: HashSet<usize> = self.last_slots.iter().copied().collect();
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.from_prefetch || slot.state != SlotState::Ready {
+                protected.insert(i);
+            }
+        }
+        for &id in ids {
+            if let Some(&s) = self.map.get(&(layer, id as usize)) {
+                protected.insert(s);
+            }
+        }
+        let need = self.store.expert_buf_bytes();
+        let mut items = Vec::new();
+        for &id in ids {
+            let key = (layer, id as usize);
+            if self.map.contains_key(&key) {
+                continue;
+            }
+            let Some(entry) = self.store.entries.get(&key) else {
+                continue;
+            };
+            let layout = self.store.layout(entry);
+            let Some(s) = self.claim_slot(&protected) else {
+                break;
+            };
+            protected.insert(s);
+            let buf = match self.slots[s].buf.take() {
+                Some(b) => b,
+                None => match AlignedBuf::new(need) {
+                    Ok(b) => b,
+                    Err(_) => break,
+                },
+            };
+            let slot = &mut self.slots[s];
+            slot.state = SlotState::InFlight;
+            slot.key = Some(key);
+            slot.from_prefetch = true;
+            slot.loaded_token = self.token;
+            self.map.insert(key, s);
+            items.push(PrefetchItem {
+                slot: s,
+                key,
+                layout,
+                buf,
+            });
+        }
+        if items.is_empty() {
+            return;
+        }
+        let n = items.len() as u64;
+        let sent = match self.prefetcher.as_mut().and_then(|p| p.jobs.as_ref()) {
+            Some(tx) => tx.send(items).map_err(|e| e.0),
+            None => Err(items),
+        };
+        match sent {
+            Ok(()) => {
+                self.stats.prefetched += n;
+                if let Some(p) = self.prefetcher.as_mut() {
+                    p.in_flight += 1;
+                }
+            }
+            Err(items) => {
+                for it in items {
+                    self.slots[it.slot].buf = Some(it.buf);
+                }
+                self.abandon_prefetches("the expert prefetch thread stopped".to_string());
+            }
+        }
     }
 }

@@ -1,0 +1,313 @@
+//! Speculative expert prefetch (`--expert-prefetch`, issue 4): it only warms the expert cache.
+//! Proves (1) identical generated ids and first-step logit bits resident, streamed without
+//! prefetch and streamed with prefetch at several cache sizes; (2) the counters: a request
+//! served by a prefetched expert is a raw hit and a prefetch hit, never a TRUE resident hit,
+//! and nothing is read twice; (3) tiny caches (fewer slots than k + margin, one slot, budget
+//! 0) neither deadlock nor read twice, and budget 0 prefetches nothing. Models are synthetic,
+//! written under target/ (not tmpfs).
+
+use std::path::{Path, PathBuf};
+
+use k3_conformance::{open_model, run_with, synth_and_pack};
+use k3_run::session::{DEFAULT_PREFETCH_MARGIN, MemorySettings};
+use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_run::weights::ExpertSource;
+
+const PROMPT: [u32; 6] = [3, 14, 15, 92, 65, 35];
+const N_GEN: usize = 6;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prefetch")
+}
+
+/// Buffer bytes of one cached expert of `model` (the cache budget unit).
+fn expert_buf_bytes(model: &Path) -> u64 {
+    let (spec, ckpt) = open_model(model);
+    let c = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
+    c.store().expert_buf_bytes() as u64
+}
+
+fn bits_identical(spec: &str, seed: u64) {
+    let (model, trunk) = synth_and_pack(spec, seed, &dir());
+    let (want, _, _) = run_with(&model, &MemorySettings::default(), &PROMPT, N_GEN, 2);
+    let per = expert_buf_bytes(&model);
+    let (s, _) = open_model(&model);
+    let moe = s.moe.as_ref().expect("synthetic K3 has MoE layers");
+    let all = (moe.n_experts * s.n_layers) as u64;
+    let k = moe.n_experts_active as u64;
+    for (label, slots) in [
+        ("cache 0", 0),
+        ("1 slot", 1),
+        (
+            "k + margin - 1 slots",
+            k + DEFAULT_PREFETCH_MARGIN as u64 - 1,
+        ),
+        ("3 layers' worth", 3 * k),
+        ("everything", all),
+    ] {
+        for pf in [None, Some(DEFAULT_PREFETCH_MARGIN)] {
+            let m = MemorySettings {
+                trunk_dir: Some(trunk.clone()),
+                cache_budget_bytes: Some(slots * per),
+                expert_prefetch: pf,
+                ..MemorySettings::default()
+            };
+            let (got, _, e) = run_with(&model, &m, &PROMPT, N_GEN, 2);
+            assert_eq!(
+                got, want,
+                "{spec}: {label}, prefetch {pf:?}: output differs from resident"
+            );
+            assert_eq!(e.requests, e.hits + e.misses, "{spec}: {label}: requests");
+            if pf.is_none() || slots == 0 {
+                assert_eq!(e.prefetched, 0, "{spec}: {label}, {pf:?}: prefetched");
+                assert_eq!(e.prefetch_hits, 0);
+            } else {
+                assert!(e.prefetched > 0, "{spec}: {label}: nothing prefetched");
+                assert!(e.guessed_requests > 0, "{spec}: {label}: no guesses");
+                // A request is served by a prefetch at most once per prefetched expert.
+                assert!(e.prefetch_hits + e.prefetch_wasted <= e.prefetched);
+                assert!(e.resident_hits + e.prefetch_hits <= e.hits);
+            }
+            if slots >= 3 * k && pf.is_some() {
+                assert!(
+                    e.prefetch_hits > 0,
+                    "{spec}: {label}: no request was served by a prefetch: {e:?}"
+                );
+            }
+            println!(
+                "{spec}: {label}, prefetch {pf:?}: req {} hits {} resident {} misses {} prefetched {} served {} wasted {} guess {:.2} -> identical",
+                e.requests,
+                e.hits,
+                e.resident_hits,
+                e.misses,
+                e.prefetched,
+                e.prefetch_hits,
+                e.prefetch_wasted,
+                e.guess_accuracy()
+            );
+        }
+    }
+}
+
+#[test]
+fn identical_bits_with_and_without_prefetch_tiny() {
+    bits_identical("tiny", 1);
+}
+
+#[test]
+fn identical_bits_with_and_without_prefetch_odd9() {
+    bits_identical("odd9", 9);
+}
+
+/// First MoE layer of the synthetic model.
+fn moe_layer(spec: &k3_models::spec::ModelSpec) -> usize {
+    spec.layers
+        .iter()
+        .position(|l| l.ffn == k3_models::spec::FfnKind::Moe)
+        .expect("a MoE layer")
+}
+
+/// Bytes one expert read costs (every synthetic expert has the same shapes), measured with a
+/// plain demand read.
+fn bytes_per_read(
+    spec: &k3_models::spec::ModelSpec,
+    ckpt: &k3_run::checkpoint::Checkpoint,
+    l: usize,
+) -> u64 {
+    let mut c = ExpertCache::new(spec, ckpt, &ExpertCacheOptions::default()).expect("cache");
+    c.begin_token();
+    c.experts(l, &[5]).expect("read");
+    let one = c.stats().bytes_read;
+    assert!(one > 0);
+    one
+}
+
+#[test]
+fn prefetch_served_requests_are_not_resident_hits() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let per = expert_buf_bytes(&model);
+    let one = bytes_per_read(&spec, &ckpt, l);
+    let mut c = ExpertCache::new(
+        &spec,
+        &ckpt,
+        &ExpertCacheOptions {
+            budget_bytes: 8 * per,
+            ..ExpertCacheOptions::default()
+        },
+    )
+    .expect("cache");
+    // Token 1: guess {1, 2, 3}; routing picks {1, 3, 7}.
+    c.begin_token();
+    c.prefetch(l, &[1, 2, 3]);
+    let want: Vec<Vec<u8>> = {
+        let (s2, ck2) = open_model(&model);
+        let mut r = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+        r.experts(l, &[1, 3, 7])
+            .expect("resident")
+            .iter()
+            .map(|e| {
+                [
+                    e.w1_packed,
+                    e.w1_scale,
+                    e.w3_packed,
+                    e.w3_scale,
+                    e.w2_packed,
+                    e.w2_scale,
+                ]
+                .concat()
+            })
+            .collect()
+    };
+    let got: Vec<Vec<u8>> = c
+        .experts(l, &[1, 3, 7])
+        .expect("served")
+        .iter()
+        .map(|e| {
+            [
+                e.w1_packed,
+                e.w1_scale,
+                e.w3_packed,
+                e.w3_scale,
+                e.w2_packed,
+                e.w2_scale,
+            ]
+            .concat()
+        })
+        .collect();
+    assert_eq!(
+        got, want,
+        "prefetched experts must hold the checkpoint's bytes"
+    );
+    let s = c.stats();
+    assert_eq!(s.prefetched, 3);
+    assert_eq!(s.requests, 3);
+    assert_eq!(s.hits, 2, "1 and 3 were fetched by the guess: raw hits");
+    assert_eq!(s.prefetch_hits, 2);
+    assert_eq!(
+        s.resident_hits, 0,
+        "fetched a moment earlier is not resident"
+    );
+    assert_eq!(s.misses, 1, "7 was not guessed");
+    assert_eq!(s.prefetch_wasted, 1, "2 was guessed but not routed");
+    assert_eq!(s.guessed_requests, 3);
+    assert_eq!(s.guess_covered, 2);
+    assert_eq!(s.bytes_read, 4 * one, "each expert read exactly once");
+    // Token 2: 1 and 3 were in RAM before this token asked -> resident hits; the wasted 2
+    // was dropped, so it is read again by this token's guess and served by it.
+    c.begin_token();
+    c.prefetch(l, &[1, 2, 3]);
+    c.experts(l, &[1, 2, 3]).expect("served");
+    let s = c.stats();
+    assert_eq!(s.prefetched, 4, "resident experts are not prefetched again");
+    assert_eq!(s.resident_hits, 2);
+    assert_eq!(s.prefetch_hits, 3);
+    assert_eq!(s.hits, 5);
+    assert_eq!(s.misses, 1);
+    assert_eq!(s.bytes_read, 5 * one, "each read exactly once");
+    assert!(
+        c.slot_states()
+            .iter()
+            .all(|(st, _)| *st != SlotState::InFlight),
+        "nothing left in flight after a request"
+    );
+}
+
+#[test]
+fn tiny_caches_neither_deadlock_nor_read_twice() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let per = expert_buf_bytes(&model);
+    // Bytes each expert's read costs (rounded-out runs differ by a few KB between experts).
+    let mut sizes = Vec::new();
+    for layer in [l, l + 1] {
+        for id in 0..16u32 {
+            let mut c =
+                ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
+            c.experts(layer, &[id]).expect("read");
+            sizes.push(c.stats().bytes_read);
+        }
+    }
+    let (lo, hi) = (
+        *sizes.iter().min().expect("sizes"),
+        *sizes.iter().max().expect("sizes"),
+    );
+    let (s2, ck2) = open_model(&model);
+    let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+    let bytes_of = |e: &k3_run::weights::ExpertWeights<'_>| {
+        [
+            e.w1_packed,
+            e.w1_scale,
+            e.w3_packed,
+            e.w3_scale,
+            e.w2_packed,
+            e.w2_scale,
+        ]
+        .concat()
+    };
+    for slots in [0u64, 1, 2, 3] {
+        let mut c = ExpertCache::new(
+            &spec,
+            &ckpt,
+            &ExpertCacheOptions {
+                budget_bytes: slots * per,
+                ..ExpertCacheOptions::default()
+            },
+        )
+        .expect("cache");
+        c.set_prefetch_margin(Some(DEFAULT_PREFETCH_MARGIN));
+        assert_eq!(
+            c.prefetch_margin().is_some(),
+            slots > 0,
+            "budget 0 wants no guesses"
+        );
+        for t in 0..4u32 {
+            c.begin_token();
+            // Guess of 8 (> capacity) overlapping the real 4.
+            let guess: Vec<u32> = (0..8).map(|i| (i + 2 * t) % 16).collect::<Vec<_>>();
+            let mut guess = guess;
+            guess.sort_unstable();
+            c.prefetch(l, &guess);
+            c.prefetch(l + 1, &guess); // a second pending guess for another layer
+            let mut real: Vec<u32> = vec![(2 * t) % 16, (2 * t + 3) % 16, (2 * t + 9) % 16, 15];
+            real.sort_unstable();
+            real.dedup();
+            for layer in [l, l + 1] {
+                let got: Vec<(usize, Vec<u8>)> = c
+                    .experts(layer, &real)
+                    .expect("served")
+                    .iter()
+                    .map(|e| (e.expert, bytes_of(e)))
+                    .collect();
+                let want: Vec<(usize, Vec<u8>)> = resident
+                    .experts(layer, &real)
+                    .expect("resident")
+                    .iter()
+                    .map(|e| (e.expert, bytes_of(e)))
+                    .collect();
+                assert_eq!(got, want, "{slots} slots, token {t}, layer {layer}");
+            }
+        }
+        let s = c.stats();
+        assert!(c.slot_states().len() as u64 <= slots, "capacity respected");
+        if slots == 0 {
+            assert_eq!(s.prefetched, 0, "budget 0: prefetch does nothing");
+            assert_eq!(s.hits, 0);
+        } else {
+            assert!(s.prefetched > 0, "{slots} slots: nothing prefetched");
+        }
+        assert!(s.prefetch_hits + s.prefetch_wasted <= s.prefetched);
+        assert_eq!(s.requests, s.hits + s.misses);
+        // No duplicate reads: bytes read = (demand misses + prefetched) expert reads.
+        let n = s.misses + s.prefetched;
+        assert!(
+            lo * n <= s.bytes_read && s.bytes_read <= hi * n,
+            "{slots} slots: {} bytes for {n} reads of {lo}..={hi}: {s:?}",
+            s.bytes_read
+        );
+        assert_eq!(s.load_failures, 0);
+        assert_eq!(s.prefetch_failures, 0);
+    }
+}

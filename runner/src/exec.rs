@@ -300,6 +300,38 @@ fn lin(pool: &Pool, w: TensorBytes<'_>, x: &[f32], out: &mut [f32]) {
     matvec::matvec_bf16(pool, &bf16_bits(w), x, out);
 }
 
+/// Rows of one task in [`lin_batch`]: small enough to balance, large enough to amortise.
+const ROWS_PER_TASK: usize = 32;
+
+/// Several bf16 matvecs over the same input `x` in ONE parallel dispatch (row chunks of every
+/// matrix are the tasks). Each output row is still one canonical dot product computed by one
+/// thread, so the bits equal those of separate [`lin`] calls for any thread count; it only
+/// saves the per-call fork/join cost of many small matvecs per layer.
+fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
+    use rayon::prelude::*;
+    let cols = x.len();
+    let ws: Vec<Cow<'_, [u16]>> = jobs.iter().map(|(t, _)| bf16_bits(*t)).collect();
+    let mut tasks: Vec<(&[u16], &mut [f32])> = Vec::new();
+    for (w, (_, out)) in ws.iter().zip(jobs) {
+        for (i, oc) in out.chunks_mut(ROWS_PER_TASK).enumerate() {
+            let r0 = i * ROWS_PER_TASK;
+            tasks.push((&w[r0 * cols..(r0 + oc.len()) * cols], oc));
+        }
+    }
+    let serial = Pool::new(1);
+    if pool.n_threads() == 1 {
+        for (w, o) in tasks {
+            matvec::matvec_bf16(&serial, w, x, o);
+        }
+    } else {
+        pool.install(|| {
+            tasks
+                .into_par_iter()
+                .for_each(|(w, o)| matvec::matvec_bf16(&serial, w, x, o))
+        });
+    }
+}
+
 /// Gated MLP activation into `h`.
 fn glu(act: Activation, gate: &[f32], up: &[f32], h: &mut [f32]) {
     match act {
@@ -561,10 +593,18 @@ impl<'s> Executor<'s> {
             .expect("validated: KDA layers have a KdaSpec");
         let (h, dk, ck) = (p.n_heads, p.head_dim, p.conv_kernel);
         let ch = h * dk;
-        // projections [H*D]
-        lin(pool, need(lw, l, TensorRole::KdaQ)?, &s.xn, &mut s.q[..ch]);
-        lin(pool, need(lw, l, TensorRole::KdaK)?, &s.xn, &mut s.k[..ch]);
-        lin(pool, need(lw, l, TensorRole::KdaV)?, &s.xn, &mut s.v[..ch]);
+        // projections from xn in one dispatch: q, k, v [H*D], f_a [rank], b [H], g [H*D]
+        let mut jobs = vec![
+            (need(lw, l, TensorRole::KdaQ)?, &mut s.q[..ch]),
+            (need(lw, l, TensorRole::KdaK)?, &mut s.k[..ch]),
+            (need(lw, l, TensorRole::KdaV)?, &mut s.v[..ch]),
+            (need(lw, l, TensorRole::KdaFA)?, &mut s.fa[..p.gate_rank]),
+            (need(lw, l, TensorRole::KdaBeta)?, &mut s.beta[..h]),
+        ];
+        if p.full_rank_output_gate {
+            jobs.push((need(lw, l, TensorRole::KdaGate)?, &mut s.gout[..ch]));
+        }
+        lin_batch(pool, &s.xn, jobs);
         // causal depthwise short conv + SiLU (taps [ch, 1, ck] F32)
         let n = widen(need(lw, l, TensorRole::KdaQConv)?, &mut s.w_a);
         kda::conv_step(&mut st.conv_q, &s.q[..ch], &s.w_a[..n], ck, &mut s.qc[..ch]);
@@ -573,12 +613,6 @@ impl<'s> Executor<'s> {
         let n = widen(need(lw, l, TensorRole::KdaVConv)?, &mut s.w_a);
         kda::conv_step(&mut st.conv_v, &s.v[..ch], &s.w_a[..n], ck, &mut s.vc[..ch]);
         // forget gate: graw = f_b(f_a x); g = gate(graw, A_log, dt_bias)
-        lin(
-            pool,
-            need(lw, l, TensorRole::KdaFA)?,
-            &s.xn,
-            &mut s.fa[..p.gate_rank],
-        );
         lin(
             pool,
             need(lw, l, TensorRole::KdaFB)?,
@@ -602,12 +636,6 @@ impl<'s> Executor<'s> {
             &mut s.log_decay[..ch],
         );
         // beta = sigmoid(b_proj x) [H]
-        lin(
-            pool,
-            need(lw, l, TensorRole::KdaBeta)?,
-            &s.xn,
-            &mut s.beta[..h],
-        );
         for b in s.beta[..h].iter_mut() {
             *b = k3_kernels::math::sigmoid(*b);
         }
@@ -626,14 +654,8 @@ impl<'s> Executor<'s> {
         };
         kda::kda_step(pool, &step, &mut st.s, &mut s.o[..ch]);
         // output gate + gated RMSNorm per head: o * rms_inv(o) * o_norm * sigmoid(g)
-        if p.full_rank_output_gate {
-            lin(
-                pool,
-                need(lw, l, TensorRole::KdaGate)?,
-                &s.xn,
-                &mut s.gout[..ch],
-            );
-        } else {
+        if !p.full_rank_output_gate {
+            // low-rank output gate (Kimi-Linear); the full-rank one was computed above
             lin(
                 pool,
                 need(lw, l, TensorRole::KdaGateA)?,
@@ -683,39 +705,35 @@ impl<'s> Executor<'s> {
             .expect("validated: MLA layers have an MlaSpec");
         let (h, dn, dr, dv) = (p.n_heads, p.d_nope, p.d_rope, p.d_v);
         let dq = dn + dr;
-        // q = q_b(RMSNorm(q_a x)) or q_proj x  -> [H, nope+rope]
+        let kvl = p.kv_lora_rank;
+        // projections from xn in one dispatch: q_a [q_lora] (or q [H*(nope+rope)]),
+        // kv_a [kv_lora | k_rope], output gate g [H*dv]
+        let mut jobs = vec![(need(lw, l, TensorRole::MlaKvA)?, &mut s.ckv[..kvl + dr])];
         match p.q_lora_rank {
-            Some(r) => {
-                lin(pool, need(lw, l, TensorRole::MlaQA)?, &s.xn, &mut s.qa[..r]);
-                let n = widen(need(lw, l, TensorRole::MlaQANorm)?, &mut s.w_a);
-                ops::rmsnorm(
-                    &s.qa[..r],
-                    Some(&s.w_a[..n]),
-                    p.latent_norm_eps,
-                    &mut s.qan[..r],
-                );
-                lin(
-                    pool,
-                    need(lw, l, TensorRole::MlaQB)?,
-                    &s.qan[..r],
-                    &mut s.mq[..h * dq],
-                );
-            }
-            None => lin(
+            Some(r) => jobs.push((need(lw, l, TensorRole::MlaQA)?, &mut s.qa[..r])),
+            None => jobs.push((need(lw, l, TensorRole::MlaQ)?, &mut s.mq[..h * dq])),
+        }
+        if p.output_gate {
+            jobs.push((need(lw, l, TensorRole::MlaGate)?, &mut s.mg[..h * dv]));
+        }
+        lin_batch(pool, &s.xn, jobs);
+        // q = q_b(RMSNorm(q_a x)) -> [H, nope+rope]
+        if let Some(r) = p.q_lora_rank {
+            let n = widen(need(lw, l, TensorRole::MlaQANorm)?, &mut s.w_a);
+            ops::rmsnorm(
+                &s.qa[..r],
+                Some(&s.w_a[..n]),
+                p.latent_norm_eps,
+                &mut s.qan[..r],
+            );
+            lin(
                 pool,
-                need(lw, l, TensorRole::MlaQ)?,
-                &s.xn,
+                need(lw, l, TensorRole::MlaQB)?,
+                &s.qan[..r],
                 &mut s.mq[..h * dq],
-            ),
+            );
         }
         // c = kv_a x -> [kv_lora | k_rope]
-        let kvl = p.kv_lora_rank;
-        lin(
-            pool,
-            need(lw, l, TensorRole::MlaKvA)?,
-            &s.xn,
-            &mut s.ckv[..kvl + dr],
-        );
         let n = widen(need(lw, l, TensorRole::MlaKvANorm)?, &mut s.w_a);
         ops::rmsnorm(
             &s.ckv[..kvl],
@@ -761,12 +779,7 @@ impl<'s> Executor<'s> {
             &mut s.mo[..h * dv],
         );
         if p.output_gate {
-            lin(
-                pool,
-                need(lw, l, TensorRole::MlaGate)?,
-                &s.xn,
-                &mut s.mg[..h * dv],
-            );
+            // g = g_proj x was computed with the other projections above
             ops::mul_sigmoid_inplace(&mut s.mo[..h * dv], &s.mg[..h * dv]);
         }
         lin(
@@ -791,17 +804,13 @@ impl<'s> Executor<'s> {
             .as_ref()
             .expect("validated: dense layers have a DenseMlpSpec")
             .d_ff;
-        lin(
+        lin_batch(
             pool,
-            need(lw, l, TensorRole::DenseGate)?,
             &s.xn,
-            &mut s.ff_gate[..ff],
-        );
-        lin(
-            pool,
-            need(lw, l, TensorRole::DenseUp)?,
-            &s.xn,
-            &mut s.ff_up[..ff],
+            vec![
+                (need(lw, l, TensorRole::DenseGate)?, &mut s.ff_gate[..ff]),
+                (need(lw, l, TensorRole::DenseUp)?, &mut s.ff_up[..ff]),
+            ],
         );
         glu(
             spec.activation,
@@ -833,13 +842,19 @@ impl<'s> Executor<'s> {
             .expect("validated: MoE layers have a MoeSpec");
         let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
         let dz = p.d_latent.unwrap_or(spec.d_model);
-        // router: logits = W_gate x (f32), selection with bias, weights from unbiased scores
-        lin(
-            pool,
-            need(lw, l, TensorRole::Router)?,
-            &s.xn,
-            &mut s.router_logits[..ne],
-        );
+        let sw = ff * p.n_shared_experts;
+        // projections from xn in one dispatch: router logits [E] (f32), latent down z [latent],
+        // shared-expert gate and up [ff * n_shared]
+        let mut jobs = vec![(need(lw, l, TensorRole::Router)?, &mut s.router_logits[..ne])];
+        if p.d_latent.is_some() {
+            jobs.push((need(lw, l, TensorRole::LatentDown)?, &mut s.z[..dz]));
+        }
+        if sw > 0 {
+            jobs.push((need(lw, l, TensorRole::SharedGate)?, &mut s.ff_gate[..sw]));
+            jobs.push((need(lw, l, TensorRole::SharedUp)?, &mut s.ff_up[..sw]));
+        }
+        lin_batch(pool, &s.xn, jobs);
+        // router: selection with bias, weights from the unbiased scores
         let cfg = router::RouterCfg {
             top_k: k,
             scoring: match p.scoring {
@@ -862,14 +877,8 @@ impl<'s> Executor<'s> {
             &mut s.ids[..k],
             &mut s.weights[..k],
         );
-        // latent down-projection z = W_down x  [latent]
+        // latent down-projection z = W_down x  [latent] (computed above)
         let xin: &[f32] = if p.d_latent.is_some() {
-            lin(
-                pool,
-                need(lw, l, TensorRole::LatentDown)?,
-                &s.xn,
-                &mut s.z[..dz],
-            );
             &s.z[..dz]
         } else {
             &s.xn
@@ -922,20 +931,7 @@ impl<'s> Executor<'s> {
             s.mlp_out.copy_from_slice(routed);
         }
         // fused shared experts (width d_expert_ff * n_shared) on the same input
-        if p.n_shared_experts > 0 {
-            let sw = ff * p.n_shared_experts;
-            lin(
-                pool,
-                need(lw, l, TensorRole::SharedGate)?,
-                &s.xn,
-                &mut s.ff_gate[..sw],
-            );
-            lin(
-                pool,
-                need(lw, l, TensorRole::SharedUp)?,
-                &s.xn,
-                &mut s.ff_up[..sw],
-            );
+        if sw > 0 {
             glu(
                 spec.activation,
                 &s.ff_gate[..sw],

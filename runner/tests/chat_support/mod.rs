@@ -81,12 +81,15 @@ pub fn run_piped(args: &[&std::ffi::OsStr], stdin: &str) -> (ExitStatus, String,
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn k3-run");
-    child
+    // A run that refuses its flags exits before reading stdin: a broken pipe is expected then.
+    if let Err(e) = child
         .stdin
         .take()
         .expect("stdin")
         .write_all(stdin.as_bytes())
-        .expect("write stdin");
+    {
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "write stdin: {e}");
+    }
     let out = child.wait_with_output().expect("wait");
     (
         out.status,

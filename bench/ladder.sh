@@ -10,7 +10,10 @@
 #   CAP_GB "none" = no cap beyond the machine's RAM. ARGS go after
 #   `k3-run MODEL --ids IDS --gen N --incremental`; @TRUNK@ is replaced by the packed trunk dir,
 #   @LT@/@LC@ by the laptop preset's trunk/cache budgets scaled to the model, @DT@/@DC@ by
-#   the desktop preset's, @ALL@ by a trunk budget that pins every layer.
+#   the desktop preset's, @ALL@ by a trunk budget that pins every layer. Rows whose NAME
+#   starts with "pinned" are checked against the overlap and first-token goals; "resident"
+#   against the memory floor; rows with --io mmap are compared with resident; the others
+#   against the I/O floor.
 #
 # For every row: a QD16 O_DIRECT probe of trunk.bin (the I/O floor's bandwidth, measured just
 # before the row; the resident row probes DRAM instead), one --gen 1 run (prefill + first
@@ -45,6 +48,8 @@ ring2     1     --trunk @TRUNK@ --trunk-gb 0.1 --cache-gb @LC@
 ring4     1     --trunk @TRUNK@ --trunk-gb 0.2 --trunk-ring 4 --cache-gb @LC@
 desktop   2     --trunk @TRUNK@ --trunk-gb @DT@ --cache-gb @DC@
 pinned    3.5   --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @LC@
+pinned-dc 3.5   --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@
+pinned-dc-prefetch 3.5 --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@ --expert-prefetch true
 mmap      1     --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@
 mmap      1.5   --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@
 mmap      2     --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@

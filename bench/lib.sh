@@ -12,6 +12,7 @@
 #   K3B_BIN    k3-run binary            [$CARGO_TARGET_DIR or /work/targets/bench]/release/k3-run
 #   K3B_WORK   models + results root    [/work/bench]     (outside git; must be a real disk)
 #   K3B_OUT    results directory        [$K3B_WORK/results/<script>-<UTC time>]
+#   K3B_COMMIT the commit the binary was built from (recorded in machine.txt)
 #   K3B_MEMCG  parent memory cgroup     [this shell's own v1 memory cgroup: the caps nest
 #              inside it, so no limit the caller is under is escaped]
 
@@ -54,7 +55,7 @@ k3b_machine() {
     echo "ram: $mem; swap: $(awk '/SwapTotal/ {print $2" kB"}' /proc/meminfo)"
     echo "disk: $dev"
     echo "kernel: $(uname -r)"
-    echo "k3-run: $("$K3B_BIN" --version 2>/dev/null || echo '?'), commit $(git -C "$K3B_ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo "k3-run: $K3B_BIN ($("$K3B_BIN" --version 2>/dev/null || echo '?'), built $(date -u -r "$K3B_BIN" +%Y-%m-%dT%H:%MZ)); source commit: ${K3B_COMMIT:-not given (K3B_COMMIT); this checkout is at $(git -C "$K3B_ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')}"
     echo "load: $(cat /proc/loadavg)"
 }
 

@@ -204,7 +204,7 @@ def ladder(d):
             out.append(f"| resident decode <= 1.3x memory floor | {e['key']} | {e['ratio']:.2f}x "
                        f"({e['spt_med']:.3f} vs {e['floor']:.3f} s) | 1.30x | "
                        f"{'met' if e['ratio'] <= 1.3 else 'MISSED'} |")
-        elif e["name"] == "pinned":
+        elif e["name"].startswith("pinned"):
             eb = e["exp_b"] / e["bw"] if e["bw"] else None
             if compute and eb:
                 bound = max(compute, eb)

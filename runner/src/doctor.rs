@@ -999,7 +999,14 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
                 String::new()
             }
         ));
-        println!("next       (pack once, onto the disk measured above; then run)");
+        println!(
+            "next       (pack once, onto {}; then run)",
+            if disk.is_some() {
+                "the disk measured above"
+            } else {
+                "your fastest local disk (not measured here)"
+            }
+        );
         for c in &next {
             println!("  {c}");
         }

@@ -281,100 +281,73 @@ impl Reader<'_> {
         self.err(ErrorKind::Missing, &kp, msg);
     }
 
-    fn opt_usize(&mut self, o: Obj<'_, '_>, key: &str) -> Option<usize> {
+    /// An optional typed value: absent or null -> `None`; present but not convertible -> an
+    /// `Invalid` error "must be {what}, found {value}" at its key path, and `None`.
+    fn opt_as<T>(
+        &mut self,
+        o: Obj<'_, '_>,
+        key: &str,
+        what: &str,
+        conv: impl Fn(&Value) -> Option<T>,
+    ) -> Option<T> {
         let v = self.raw(o, key)?;
-        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
-            Some(n) => Some(n),
-            None => {
-                let kp = key_path(o.path, key);
-                self.err(
-                    ErrorKind::Invalid,
-                    &kp,
-                    format!("must be a non-negative integer, found {v}"),
-                );
-                None
-            }
+        let t = conv(v);
+        if t.is_none() {
+            let kp = key_path(o.path, key);
+            self.err(
+                ErrorKind::Invalid,
+                &kp,
+                format!("must be {what}, found {v}"),
+            );
         }
+        t
+    }
+
+    /// A required typed value: absent or null is a `Missing` error naming the key path.
+    fn req_as<T>(
+        &mut self,
+        o: Obj<'_, '_>,
+        key: &str,
+        what: &str,
+        conv: impl Fn(&Value) -> Option<T>,
+    ) -> Option<T> {
+        if self.raw(o, key).is_none() {
+            self.missing(o, key);
+            return None;
+        }
+        self.opt_as(o, key, what, conv)
+    }
+
+    fn opt_usize(&mut self, o: Obj<'_, '_>, key: &str) -> Option<usize> {
+        self.opt_as(o, key, "a non-negative integer", as_usize)
     }
 
     fn req_usize(&mut self, o: Obj<'_, '_>, key: &str) -> Option<usize> {
-        if self.raw(o, key).is_none() {
-            self.missing(o, key);
-            return None;
-        }
-        self.opt_usize(o, key)
+        self.req_as(o, key, "a non-negative integer", as_usize)
     }
 
     fn opt_f64(&mut self, o: Obj<'_, '_>, key: &str) -> Option<f64> {
-        let v = self.raw(o, key)?;
-        match v.as_f64().filter(|x| x.is_finite()) {
-            Some(x) => Some(x),
-            None => {
-                let kp = key_path(o.path, key);
-                self.err(
-                    ErrorKind::Invalid,
-                    &kp,
-                    format!("must be a number, found {v}"),
-                );
-                None
-            }
-        }
+        self.opt_as(o, key, "a number", as_finite_f64)
     }
 
     fn req_f64(&mut self, o: Obj<'_, '_>, key: &str) -> Option<f64> {
-        if self.raw(o, key).is_none() {
-            self.missing(o, key);
-            return None;
-        }
-        self.opt_f64(o, key)
+        self.req_as(o, key, "a number", as_finite_f64)
     }
 
     fn opt_bool(&mut self, o: Obj<'_, '_>, key: &str) -> Option<bool> {
-        let v = self.raw(o, key)?;
-        match v.as_bool() {
-            Some(b) => Some(b),
-            None => {
-                let kp = key_path(o.path, key);
-                self.err(
-                    ErrorKind::Invalid,
-                    &kp,
-                    format!("must be true or false, found {v}"),
-                );
-                None
-            }
-        }
+        self.opt_as(o, key, "true or false", Value::as_bool)
     }
 
     fn req_bool(&mut self, o: Obj<'_, '_>, key: &str) -> Option<bool> {
-        if self.raw(o, key).is_none() {
-            self.missing(o, key);
-            return None;
-        }
-        self.opt_bool(o, key)
+        self.req_as(o, key, "true or false", Value::as_bool)
     }
 
     fn opt_str(&mut self, o: Obj<'_, '_>, key: &str) -> Option<String> {
-        let v = self.raw(o, key)?;
-        match v.as_str() {
-            Some(s) => Some(s.to_string()),
-            None => {
-                let kp = key_path(o.path, key);
-                self.err(
-                    ErrorKind::Invalid,
-                    &kp,
-                    format!("must be a string, found {v}"),
-                );
-                None
-            }
-        }
+        self.opt_as(o, key, "a string", |v| v.as_str().map(str::to_string))
     }
 
     fn req_str(&mut self, o: Obj<'_, '_>, key: &str) -> Option<String> {
-        if self.raw(o, key).is_none() {
-            self.missing(o, key);
-            return None;
-        }
-        self.opt_str(o, key)
+        self.req_as(o, key, "a string", |v| v.as_str().map(str::to_string))
     }
 
     fn req_list<T>(
@@ -1044,4 +1017,12 @@ impl QuantizationConfig {
         q.put("quantization_status", "compressed");
         q.into_value()
     }
+}
+
+fn as_usize(v: &Value) -> Option<usize> {
+    v.as_u64().and_then(|n| usize::try_from(n).ok())
+}
+
+fn as_finite_f64(v: &Value) -> Option<f64> {
+    v.as_f64().filter(|x| x.is_finite())
 }

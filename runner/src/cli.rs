@@ -477,6 +477,9 @@ fn stream_failure(e: crate::stream::StreamError) -> Failure {
 }
 
 fn run_main(a: &RunArgs) -> Result<u8, Failure> {
+    // time to first token counts from here: config, checkpoint open, session build (pinned
+    // prefix load), state check, prefill, first token
+    let run_start = std::time::Instant::now();
     if a.mem.list_presets {
         let t =
             crate::stream::presets::list_presets().map_err(|e| Failure::usage(e.to_string()))?;
@@ -553,14 +556,18 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     for n in &notes {
         eprintln!("{n}");
     }
+    // measured before the session allocates: afterwards its own pages count as used
+    let mem_limit = crate::stream::plan::memory_limit();
     let mut session =
         crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
     eprintln!("memory plan:");
     for l in &session.startup {
         eprintln!("  {l}");
     }
-    let state_line = crate::session::check_state(&plan, positions, session.planned_bytes)
-        .map_err(stream_failure)?;
+    eprintln!("  {}", mem_limit.report_line());
+    let state_line =
+        crate::session::check_state(&plan, positions, session.planned_bytes, mem_limit.bytes())
+            .map_err(stream_failure)?;
     eprintln!("  {state_line}");
     let interrupted = Arc::new(AtomicBool::new(false));
     // first Ctrl-C: finish the step in progress and stop; second: the default action (kill)
@@ -578,7 +585,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         stop_ids: a.stop_ids.clone(),
     };
     let providers = &mut session.providers;
+    let time_to_first_token = std::cell::Cell::new(None::<f64>);
     let mut on_token = |i: usize, id: u32, t: f64| {
+        if i == 0 {
+            time_to_first_token.set(Some(run_start.elapsed().as_secs_f64()));
+        }
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
         !interrupted.load(Ordering::Relaxed)
     };
@@ -632,6 +643,16 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         },
         res.first_logits_hash
     );
+    let time_to_first_token = time_to_first_token.get();
+    if let Some(ttft) = time_to_first_token {
+        println!(
+            "time to first token {:.3} s (start-up {:.3} s incl. pinned prefix load {:.3} s, then prefill + first token {:.3} s)",
+            ttft,
+            ttft - res.first_token_seconds,
+            session.pinned_load_seconds,
+            res.first_token_seconds
+        );
+    }
     println!(
         "expert cache: requests {} hits {} misses {} evictions {} | TRUE resident hit rate {:.2}% (raw hit rate {:.2}%)",
         experts.requests,
@@ -716,11 +737,17 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "prefill_seconds": res.prefill_seconds,
         "first_token_seconds": res.first_token_seconds,
         "pinned_load_seconds": session.pinned_load_seconds,
+        "time_to_first_token_seconds": time_to_first_token,
         "seconds_per_token": res.seconds_per_token,
         "total_seconds": res.total_seconds,
         "peak_rss_bytes": peak,
         "stopped_by": res.stopped_by,
         "memory_plan": session.startup,
+        "memory_limit": {
+            "bytes": mem_limit.bytes(),
+            "mem_available_bytes": mem_limit.mem_available_bytes,
+            "cgroup": mem_limit.cgroup,
+        },
         "trunk": trunk,
         "experts": {
             "requests": experts.requests,
@@ -780,13 +807,16 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     for n in &notes {
         eprintln!("{n}");
     }
+    let mem_limit = crate::stream::plan::memory_limit();
     let mut session =
         crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
     for l in &session.startup {
         eprintln!("  {l}");
     }
-    let state_line = crate::session::check_state(&plan, positions, session.planned_bytes)
-        .map_err(stream_failure)?;
+    eprintln!("  {}", mem_limit.report_line());
+    let state_line =
+        crate::session::check_state(&plan, positions, session.planned_bytes, mem_limit.bytes())
+            .map_err(stream_failure)?;
     eprintln!("  {state_line}");
     let mut exec = Executor::new(&spec, plan, threads);
     crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)

@@ -17,7 +17,7 @@ use crate::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 use crate::stream::experts::{ExpertCache, ExpertCacheOptions};
 use crate::stream::global::{GlobalOptions, StreamedGlobal};
 use crate::stream::io_policy::{IoPolicy, TrunkIo};
-use crate::stream::plan::{StateMemory, check_state_memory, memory_limit_bytes};
+use crate::stream::plan::{StateMemory, check_state_memory};
 use crate::stream::trunk::{MmapTrunk, StreamedTrunk, TrunkOptions};
 use crate::stream::{StreamError, fmt_bytes};
 
@@ -190,12 +190,15 @@ pub fn build<'c>(
     })
 }
 
-/// Refuse up front a request whose decode state cannot fit (SYSTEM.md §5). Returns the line
-/// to print.
+/// Refuse up front a request whose decode state cannot fit (SYSTEM.md §5). `limit` is
+/// [`crate::stream::plan::memory_limit_bytes`] measured before [`build`] (after it, the pinned prefix already counts
+/// as used and would be counted twice with `planned_bytes`); `None` skips the check. Returns
+/// the line to print.
 pub fn check_state(
     plan: &Plan,
     positions: usize,
     planned_bytes: u64,
+    limit: Option<u64>,
 ) -> Result<String, StreamError> {
     let state = StateMemory {
         bytes_per_position: plan.kv_bytes_per_position(),
@@ -209,7 +212,7 @@ pub fn check_state(
         positions,
         fmt_bytes(state.total())
     );
-    if let Some(limit) = memory_limit_bytes() {
+    if let Some(limit) = limit {
         check_state_memory(&state, planned_bytes, limit)?;
     }
     Ok(line)

@@ -3,8 +3,11 @@
 //! Owns: turning per-layer packed trunk sizes, a byte budget and a requested ring-slot count
 //! into how many leading layers are pinned, how many ring slots there are and how big each
 //! slot is; refusing a budget that cannot hold even one slot, with the numbers; refusing a
-//! request whose KV cache + recurrent state cannot fit, before the run starts.
-//! Must not: allocate or read anything (the trunk does), or know what a layer contains.
+//! request whose KV cache + recurrent state cannot fit, before the run starts; the memory
+//! limit that check uses (`MemAvailable` and the memory cgroup headroom, cgroup v2 then v1,
+//! with the proc/sys root injectable for tests).
+//! Must not: allocate, read anything but /proc and the cgroup files (the trunk reads the
+//! weights), or know what a layer contains.
 //! Follows upstream: SYSTEM.md §3 and the Chinese seed article §3.2-§3.4: pinned layers at
 //! their exact size, ring slots all of the largest unpinned layer, a second slot only when it
 //! fits (the one-slot fallback), and §5 (KV memory computed before the run).
@@ -20,6 +23,8 @@
 //! `sum(size[..n]) + ring * slot(n) <= budget`, found by one scan over the `L + 1` candidates.
 //! It always pins at least as many layers as the bounded iteration (a property test checks
 //! this against the seed's loop) and is monotone in the budget.
+
+use std::path::{Path, PathBuf};
 
 use super::aligned::{IO_ALIGN, align_up};
 use super::fmt_bytes;
@@ -254,16 +259,26 @@ pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Resu
 }
 
 /// The memory this process may use: the smaller of `MemAvailable` (/proc/meminfo) and the
-/// cgroup v2 `memory.max` of the current cgroup minus its current usage. `None` if neither is
-/// readable (non-Linux).
+/// memory cgroup headroom (limit minus usage; cgroup v2, else v1, see [`cgroup_memory_at`]).
+/// `None` if neither is readable (non-Linux). Measure it before the session allocates: what
+/// the session has already touched counts as usage.
 pub fn memory_limit_bytes() -> Option<u64> {
-    let avail = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| parse_meminfo_available(&s));
-    let cg = cgroup_headroom();
-    match (avail, cg) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
+    memory_limit().bytes()
+}
+
+/// [`memory_limit_at`] the real root `/`.
+pub fn memory_limit() -> MemoryLimit {
+    memory_limit_at(Path::new("/"))
+}
+
+/// The memory limit seen under `root` (`/` in production; a fake tree in tests): reads
+/// `root/proc/meminfo`, `root/proc/self/cgroup` and the cgroup files under `root/sys/fs/cgroup`.
+pub fn memory_limit_at(root: &Path) -> MemoryLimit {
+    MemoryLimit {
+        mem_available_bytes: std::fs::read_to_string(root.join("proc/meminfo"))
+            .ok()
+            .and_then(|s| parse_meminfo_available(&s)),
+        cgroup: cgroup_memory_at(root),
     }
 }
 
@@ -276,21 +291,177 @@ pub fn parse_meminfo_available(text: &str) -> Option<u64> {
     })
 }
 
-fn cgroup_headroom() -> Option<u64> {
-    let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let rel = cg.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
-    let dir = std::path::Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
-    let max = std::fs::read_to_string(dir.join("memory.max")).ok()?;
-    let max = max.trim();
-    if max == "max" {
+/// What bounds this process's memory: `MemAvailable` and the tightest memory cgroup.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryLimit {
+    pub mem_available_bytes: Option<u64>,
+    /// `None`: no cgroup limit found (unlimited, or the files are missing).
+    pub cgroup: Option<CgroupMemory>,
+}
+
+impl MemoryLimit {
+    /// The smaller of `MemAvailable` and the cgroup headroom; `None` if neither is known.
+    pub fn bytes(&self) -> Option<u64> {
+        let cg = self.cgroup.as_ref().map(CgroupMemory::headroom);
+        match (self.mem_available_bytes, cg) {
+            (Some(a), Some(c)) => Some(a.min(c)),
+            (a, c) => a.or(c),
+        }
+    }
+
+    /// One start-up line: the limit and where it came from.
+    pub fn report_line(&self) -> String {
+        let avail = self
+            .mem_available_bytes
+            .map_or("unknown".to_string(), fmt_bytes);
+        match (self.bytes(), &self.cgroup) {
+            (Some(b), Some(c)) => format!(
+                "memory limit: {} = the smaller of MemAvailable {avail} and the cgroup {} \
+                 headroom {} (limit {} - usage {}, {})",
+                fmt_bytes(b),
+                c.version.name(),
+                fmt_bytes(c.headroom()),
+                fmt_bytes(c.limit_bytes),
+                fmt_bytes(c.usage_bytes),
+                c.dir.display()
+            ),
+            (Some(b), None) => format!(
+                "memory limit: {} = MemAvailable (no memory cgroup limit: cgroup v2 memory.max \
+                 and v1 memory.limit_in_bytes unlimited or unreadable)",
+                fmt_bytes(b)
+            ),
+            (None, _) => "memory limit: unknown (no /proc/meminfo, no memory cgroup limit); the \
+                          decode-state check is skipped"
+                .to_string(),
+        }
+    }
+}
+
+/// Which cgroup interface a limit was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupVersion {
+    /// `memory.limit_in_bytes` / `memory.usage_in_bytes` under `/sys/fs/cgroup/memory`.
+    V1,
+    /// `memory.max` / `memory.current` under `/sys/fs/cgroup`.
+    V2,
+}
+
+impl CgroupVersion {
+    pub fn name(self) -> &'static str {
+        match self {
+            CgroupVersion::V1 => "v1",
+            CgroupVersion::V2 => "v2",
+        }
+    }
+}
+
+/// The binding memory cgroup: the level (this process's cgroup or an ancestor) with the least
+/// headroom.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct CgroupMemory {
+    pub version: CgroupVersion,
+    /// Directory of the binding cgroup.
+    pub dir: PathBuf,
+    pub limit_bytes: u64,
+    /// Current usage (page cache charged to the cgroup included; 0 if the file is unreadable).
+    pub usage_bytes: u64,
+}
+
+impl CgroupMemory {
+    /// `limit - usage`, 0 if over.
+    pub fn headroom(&self) -> u64 {
+        self.limit_bytes.saturating_sub(self.usage_bytes)
+    }
+}
+
+/// A cgroup v1 limit at or above this is "no limit": an unlimited v1 cgroup reports
+/// `PAGE_COUNTER_MAX` pages in bytes (9223372036854771712 with 4 KiB pages; a different value
+/// just below 2^63 with larger pages). No machine has 2^60 bytes.
+pub const CGROUP_V1_UNLIMITED: u64 = 1 << 60;
+
+/// The memory cgroup limit of this process under `root`: cgroup v2 first (the `0::PATH` line
+/// of `root/proc/self/cgroup`, `memory.max` = a number or `max`, `memory.current`), then v1
+/// (the line whose controller list has `memory`, `memory.limit_in_bytes` below
+/// [`CGROUP_V1_UNLIMITED`], `memory.usage_in_bytes`). The process's cgroup and every ancestor
+/// up to the mount point are read (a parent's limit binds its children) and the level with the
+/// least headroom is returned. If the process's cgroup directory does not exist (a container
+/// that mounts its own cgroup at the mount point), the mount point alone is read. `None`
+/// without a readable limit (unlimited everywhere, hybrid hierarchy without a v2 memory
+/// controller and no v1 limit, missing files, non-Linux).
+pub fn cgroup_memory_at(root: &Path) -> Option<CgroupMemory> {
+    let text = std::fs::read_to_string(root.join("proc/self/cgroup")).ok()?;
+    let (v2, v1) = parse_proc_cgroup(&text);
+    let mounts = [
+        (CgroupVersion::V2, v2, "sys/fs/cgroup"),
+        (CgroupVersion::V1, v1, "sys/fs/cgroup/memory"),
+    ];
+    mounts.into_iter().find_map(|(version, rel, mount)| {
+        let rel = rel?;
+        cgroup_levels(&root.join(mount), &rel)
+            .into_iter()
+            .filter_map(|dir| {
+                let (limit_bytes, usage_bytes) = read_cgroup_level(version, &dir)?;
+                Some(CgroupMemory {
+                    version,
+                    dir,
+                    limit_bytes,
+                    usage_bytes,
+                })
+            })
+            .min_by_key(CgroupMemory::headroom)
+    })
+}
+
+/// The memory cgroup paths of this process from /proc/self/cgroup text: (v2 `0::PATH`, v1
+/// `N:...memory...:PATH`).
+fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
+    let (mut v2, mut v1) = (None, None);
+    for l in text.lines() {
+        let mut it = l.splitn(3, ':');
+        let (Some(id), Some(ctrl), Some(path)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        if id == "0" && ctrl.is_empty() {
+            v2 = Some(path.trim().to_string());
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            v1 = Some(path.trim().to_string());
+        }
+    }
+    (v2, v1)
+}
+
+/// The cgroup directory for `rel` under `mount` and its ancestors up to `mount`, leaf first.
+fn cgroup_levels(mount: &Path, rel: &str) -> Vec<PathBuf> {
+    let rel = Path::new(rel.trim_start_matches('/'));
+    let plain = rel
+        .components()
+        .all(|c| matches!(c, std::path::Component::Normal(_)));
+    let leaf = mount.join(rel);
+    if !plain || !leaf.is_dir() {
+        return vec![mount.to_path_buf()];
+    }
+    leaf.ancestors()
+        .take(rel.components().count() + 1)
+        .map(Path::to_path_buf)
+        .collect()
+}
+
+/// (limit, usage) of one cgroup directory; `None` without a limit (unlimited or unreadable).
+fn read_cgroup_level(version: CgroupVersion, dir: &Path) -> Option<(u64, u64)> {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let (limit_file, usage_file) = match version {
+        CgroupVersion::V2 => ("memory.max", "memory.current"),
+        CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+    };
+    let limit: u64 = read(limit_file)?.trim().parse().ok()?; // v2 "max" does not parse: no limit
+    if version == CgroupVersion::V1 && limit >= CGROUP_V1_UNLIMITED {
         return None;
     }
-    let max: u64 = max.parse().ok()?;
-    let cur: u64 = std::fs::read_to_string(dir.join("memory.current"))
-        .ok()
+    let usage = read(usage_file)
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0);
-    Some(max.saturating_sub(cur))
+    Some((limit, usage))
 }
 
 #[cfg(test)]
@@ -421,6 +592,210 @@ mod tests {
         let t = "MemTotal:       24000000 kB\nMemFree:  1 kB\nMemAvailable:   23000000 kB\n";
         assert_eq!(parse_meminfo_available(t), Some(23_000_000 * 1024));
         assert_eq!(parse_meminfo_available("MemTotal: 1 kB\n"), None);
+    }
+
+    /// A fake `/` (a temporary directory): `proc/self/cgroup`, `proc/meminfo`, cgroup files.
+    struct FakeRoot(tempfile::TempDir);
+
+    impl FakeRoot {
+        fn new(proc_cgroup: &str) -> FakeRoot {
+            let dir = tempfile::tempdir().expect("create a temporary fake root");
+            std::fs::create_dir_all(dir.path().join("proc/self")).expect("create proc/self");
+            std::fs::write(dir.path().join("proc/self/cgroup"), proc_cgroup)
+                .expect("write proc/self/cgroup");
+            std::fs::write(
+                dir.path().join("proc/meminfo"),
+                "MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n",
+            )
+            .expect("write proc/meminfo");
+            FakeRoot(dir)
+        }
+        fn path(&self) -> &Path {
+            self.0.path()
+        }
+        /// Write `files` (name, content) into the cgroup directory `rel` (created).
+        fn cgroup(&self, rel: &str, files: &[(&str, &str)]) -> &Self {
+            let d = self.path().join(rel);
+            std::fs::create_dir_all(&d).expect("create a fake cgroup dir");
+            for (name, text) in files {
+                std::fs::write(d.join(name), text).expect("write a fake cgroup file");
+            }
+            self
+        }
+    }
+
+    const MEM_AVAILABLE: u64 = 4_000_000 * 1024;
+    const V1_SENTINEL: &str = "9223372036854771712\n";
+    const HYBRID: &str = "9:name=systemd:/\n4:memory:/svc/job\n3:cpuset:/\n0::/\n";
+
+    #[test]
+    fn cgroup_v2_limit_is_the_headroom() {
+        let r = FakeRoot::new("0::/user.slice/job.scope\n");
+        r.cgroup(
+            "sys/fs/cgroup/user.slice/job.scope",
+            &[
+                ("memory.max", "1500000000\n"),
+                ("memory.current", "250000000\n"),
+            ],
+        );
+        let m = memory_limit_at(r.path());
+        let c = m.cgroup.clone().expect("a v2 limit");
+        assert_eq!(c.version, CgroupVersion::V2);
+        assert_eq!((c.limit_bytes, c.usage_bytes), (1_500_000_000, 250_000_000));
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/user.slice/job.scope"));
+        assert_eq!(m.mem_available_bytes, Some(MEM_AVAILABLE));
+        assert_eq!(m.bytes(), Some(1_250_000_000));
+        let line = m.report_line();
+        assert!(line.contains("the cgroup v2 headroom 1.25 GB"), "{line}");
+        assert!(line.contains("memory limit: 1.25 GB"), "{line}");
+    }
+
+    #[test]
+    fn cgroup_v2_max_is_no_limit_and_a_limited_parent_binds() {
+        let r = FakeRoot::new("0::/a/b\n");
+        let leaf = [("memory.max", "max\n"), ("memory.current", "100\n")];
+        r.cgroup("sys/fs/cgroup/a/b", &leaf)
+            .cgroup("sys/fs/cgroup/a", &leaf);
+        let m = memory_limit_at(r.path());
+        assert_eq!(m.cgroup, None);
+        assert_eq!(m.bytes(), Some(MEM_AVAILABLE), "MemAvailable alone");
+        assert!(
+            m.report_line()
+                .contains("= MemAvailable (no memory cgroup limit")
+        );
+        // a limit on the parent binds the child
+        r.cgroup(
+            "sys/fs/cgroup/a",
+            &[
+                ("memory.max", "3000000000"),
+                ("memory.current", "1000000000"),
+            ],
+        );
+        let c = cgroup_memory_at(r.path()).expect("the parent's limit");
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/a"));
+        assert_eq!(c.headroom(), 2_000_000_000);
+    }
+
+    #[test]
+    fn cgroup_v1_limit_when_v2_has_no_memory_controller() {
+        // hybrid hierarchy (this machine): `0::/` exists but v2 has no memory.max
+        let r = FakeRoot::new(HYBRID);
+        r.cgroup("sys/fs/cgroup", &[("cgroup.procs", "1\n")])
+            .cgroup(
+                "sys/fs/cgroup/memory/svc/job",
+                &[
+                    ("memory.limit_in_bytes", "1500000000\n"),
+                    ("memory.usage_in_bytes", "1400000000\n"),
+                ],
+            );
+        let c = cgroup_memory_at(r.path()).expect("a v1 limit");
+        assert_eq!(c.version, CgroupVersion::V1);
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory/svc/job"));
+        assert_eq!(c.headroom(), 100_000_000);
+        let m = memory_limit_at(r.path());
+        assert_eq!(m.bytes(), Some(100_000_000), "the cgroup is tighter");
+        assert!(
+            m.report_line()
+                .contains("cgroup v1 headroom 100.00 MB (limit 1.50 GB - usage 1.40 GB"),
+            "{}",
+            m.report_line()
+        );
+        // a combined controller list names memory too
+        let r2 = FakeRoot::new("3:cpu,memory:/x\n");
+        r2.cgroup(
+            "sys/fs/cgroup/memory/x",
+            &[
+                ("memory.limit_in_bytes", "2000"),
+                ("memory.usage_in_bytes", "500"),
+            ],
+        );
+        assert_eq!(
+            cgroup_memory_at(r2.path()).map(|c| c.headroom()),
+            Some(1500)
+        );
+    }
+
+    #[test]
+    fn cgroup_v1_unlimited_sentinel_is_no_limit() {
+        let r = FakeRoot::new(HYBRID);
+        let unlimited = [
+            ("memory.limit_in_bytes", V1_SENTINEL),
+            ("memory.usage_in_bytes", "8089194496\n"),
+        ];
+        r.cgroup("sys/fs/cgroup/memory/svc/job", &unlimited)
+            .cgroup("sys/fs/cgroup/memory/svc", &unlimited)
+            .cgroup("sys/fs/cgroup/memory", &unlimited);
+        assert_eq!(cgroup_memory_at(r.path()), None);
+        assert_eq!(memory_limit_at(r.path()).bytes(), Some(MEM_AVAILABLE));
+        // 64 KiB pages: PAGE_COUNTER_MAX x 65536 is also far above any real limit
+        r.cgroup(
+            "sys/fs/cgroup/memory/svc",
+            &[("memory.limit_in_bytes", "9223372036854710272")],
+        );
+        assert_eq!(cgroup_memory_at(r.path()), None);
+        // a real limit on an ancestor under unlimited leaves binds
+        r.cgroup(
+            "sys/fs/cgroup/memory/svc",
+            &[("memory.limit_in_bytes", "9000000000")],
+        );
+        let c = cgroup_memory_at(r.path()).expect("the ancestor's limit");
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory/svc"));
+        assert_eq!(c.headroom(), 9_000_000_000 - 8_089_194_496);
+    }
+
+    #[test]
+    fn cgroup_missing_files_are_no_limit() {
+        // no /proc/self/cgroup, no meminfo: nothing known
+        let r = FakeRoot::new("");
+        std::fs::remove_file(r.path().join("proc/self/cgroup")).expect("remove");
+        std::fs::remove_file(r.path().join("proc/meminfo")).expect("remove");
+        let m = memory_limit_at(r.path());
+        assert_eq!(m, MemoryLimit::default());
+        assert_eq!(m.bytes(), None);
+        assert!(
+            m.report_line().contains("check is skipped"),
+            "{}",
+            m.report_line()
+        );
+        // cgroup lines but no cgroup files at all
+        let r = FakeRoot::new(HYBRID);
+        assert_eq!(cgroup_memory_at(r.path()), None);
+        // a limit file without the usage file: usage counts as 0
+        r.cgroup(
+            "sys/fs/cgroup/memory/svc/job",
+            &[("memory.limit_in_bytes", "5000")],
+        );
+        assert_eq!(cgroup_memory_at(r.path()).map(|c| c.headroom()), Some(5000));
+        // garbage in the limit file is no limit, not a panic
+        r.cgroup(
+            "sys/fs/cgroup/memory/svc/job",
+            &[("memory.limit_in_bytes", "lots")],
+        );
+        assert_eq!(cgroup_memory_at(r.path()), None);
+    }
+
+    #[test]
+    fn cgroup_path_missing_under_the_mount_reads_the_mount_root() {
+        // a container sees the host's path in /proc/self/cgroup but mounts its own cgroup
+        let r = FakeRoot::new("4:memory:/docker/abc\n");
+        r.cgroup(
+            "sys/fs/cgroup/memory",
+            &[
+                ("memory.limit_in_bytes", "7000"),
+                ("memory.usage_in_bytes", "1000"),
+            ],
+        );
+        let c = cgroup_memory_at(r.path()).expect("the mount root's limit");
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory"));
+        assert_eq!(c.headroom(), 6000);
+        // `..` in the path never walks out of the mount
+        let r = FakeRoot::new("0::/../../etc\n");
+        r.cgroup(
+            "sys/fs/cgroup",
+            &[("memory.max", "9000"), ("memory.current", "0")],
+        );
+        let c = cgroup_memory_at(r.path()).expect("the mount root");
+        assert_eq!(c.dir, r.path().join("sys/fs/cgroup"));
     }
 
     fn sizes_strategy() -> impl Strategy<Value = Vec<u64>> {

@@ -598,6 +598,10 @@ pub struct ExpertCache<'c> {
     guess: Option<(usize, Vec<u32>)>,
     /// Slots the last `experts` call served from (a prefetch never evicts them).
     last_slots: Vec<usize>,
+    /// Expert buffers carved (huge-page regions) but not yet handed to a slot or scratch.
+    spare: Vec<AlignedBuf>,
+    /// Buffers carved so far (slots + scratch + spare).
+    carved: usize,
 }
 
 impl std::fmt::Debug for ExpertCache<'_> {
@@ -655,7 +659,30 @@ impl<'c> ExpertCache<'c> {
             prefetch_off: None,
             guess: None,
             last_slots: Vec::new(),
+            spare: Vec::new(),
+            carved: 0,
         }
+    }
+
+    /// One expert buffer: from the spare list, else from a newly carved huge-page region.
+    /// Buffers are carved in batches (the cache's slots plus one layer's scratch, at most
+    /// 64 MiB per region) because a read into 4 KiB pages runs at under half the speed of
+    /// one into 2 MiB pages on a virtio disk (docs/PERFORMANCE.md, "Expert buffers").
+    fn take_buf(&mut self, at_least: usize) -> std::io::Result<AlignedBuf> {
+        if let Some(b) = self.spare.pop() {
+            return Ok(b);
+        }
+        let need = self.store.expert_buf_bytes();
+        let stride = align_up(need.max(1) as u64, IO_ALIGN as u64) as usize;
+        let per_region = ((64usize << 20) / stride).max(1);
+        // Slots not yet backed, plus room for one call's scratch.
+        let wanted = (self.capacity + at_least).saturating_sub(self.carved);
+        let count = wanted.clamp(at_least.max(1), per_region.max(at_least.max(1)));
+        let mut bufs = AlignedBuf::carve(count, need)?;
+        self.carved += bufs.len();
+        let b = bufs.pop().expect("carve(count >= 1) returns count buffers");
+        self.spare = bufs;
+        Ok(b)
     }
 
     /// Ask the executor for guesses of top-(k + `margin`) experts before each MoE layer
@@ -1021,15 +1048,16 @@ impl ExpertSource for ExpertCache<'_> {
                 name: format!("routed experts of layer {layer}"),
                 msg: format!("cannot allocate an expert buffer of {need} bytes: {e}"),
             };
+            let n_miss = miss_idx.len();
             while self.scratch.len() < n_scratch {
-                self.scratch
-                    .push((AlignedBuf::new(need).map_err(alloc_err)?, [(0, 0); 6]));
+                let b = self.take_buf(n_miss).map_err(alloc_err)?;
+                self.scratch.push((b, [(0, 0); 6]));
             }
             for &i in &miss_idx {
                 if let Some(Place::Slot(s)) = places[i]
                     && self.slots[s].buf.is_none()
                 {
-                    self.slots[s].buf = Some(AlignedBuf::new(need).map_err(alloc_err)?);
+                    self.slots[s].buf = Some(self.take_buf(n_miss).map_err(alloc_err)?);
                 }
             }
             // Borrow every miss buffer at once (slots and scratch are disjoint fields).
@@ -1178,7 +1206,6 @@ impl ExpertSource for ExpertCache<'_> {
                 protected.insert(s);
             }
         }
-        let need = self.store.expert_buf_bytes();
         let mut items = Vec::new();
         for &id in ids {
             let key = (layer, id as usize);
@@ -1195,7 +1222,7 @@ impl ExpertSource for ExpertCache<'_> {
             protected.insert(s);
             let buf = match self.slots[s].buf.take() {
                 Some(b) => b,
-                None => match AlignedBuf::new(need) {
+                None => match self.take_buf(1) {
                     Ok(b) => b,
                     Err(_) => break,
                 },

@@ -843,17 +843,58 @@ impl<'s> Executor<'s> {
         let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
         let dz = p.d_latent.unwrap_or(spec.d_model);
         let sw = ff * p.n_shared_experts;
-        // projections from xn in one dispatch: router logits [E] (f32), latent down z [latent],
-        // shared-expert gate and up [ff * n_shared]
-        let mut jobs = vec![(need(lw, l, TensorRole::Router)?, &mut s.router_logits[..ne])];
-        if p.d_latent.is_some() {
-            jobs.push((need(lw, l, TensorRole::LatentDown)?, &mut s.z[..dz]));
+        // With a provider that reads from disk, the routed experts' reads overlap the work
+        // that does not need them (latent down-projection, shared experts): the router runs
+        // alone, `experts()` runs on a scoped helper thread while the pool computes the rest.
+        // Each output is computed by the same kernels on the same inputs either way, so the
+        // bits do not depend on the overlap.
+        let overlap = experts.reads_block();
+        // projections from xn: router logits [E] (f32), latent down z [latent], shared-expert
+        // gate and up [ff * n_shared] -- in one dispatch when nothing overlaps
+        let w_router = need(lw, l, TensorRole::Router)?;
+        let w_latent = match p.d_latent {
+            Some(_) => Some(need(lw, l, TensorRole::LatentDown)?),
+            None => None,
+        };
+        let w_shared = if sw > 0 {
+            Some((
+                need(lw, l, TensorRole::SharedGate)?,
+                need(lw, l, TensorRole::SharedUp)?,
+            ))
+        } else {
+            None
+        };
+        // The projections of xn that do not need the routing, as lin_batch jobs.
+        fn rest_jobs<'w, 'o>(
+            w_latent: Option<TensorBytes<'w>>,
+            w_shared: Option<(TensorBytes<'w>, TensorBytes<'w>)>,
+            z: &'o mut [f32],
+            ff_gate: &'o mut [f32],
+            ff_up: &'o mut [f32],
+        ) -> Vec<(TensorBytes<'w>, &'o mut [f32])> {
+            let mut jobs = Vec::new();
+            if let Some(w) = w_latent {
+                jobs.push((w, z));
+            }
+            if let Some((g, u)) = w_shared {
+                jobs.push((g, ff_gate));
+                jobs.push((u, ff_up));
+            }
+            jobs
         }
-        if sw > 0 {
-            jobs.push((need(lw, l, TensorRole::SharedGate)?, &mut s.ff_gate[..sw]));
-            jobs.push((need(lw, l, TensorRole::SharedUp)?, &mut s.ff_up[..sw]));
+        if overlap {
+            lin(pool, w_router, &s.xn, &mut s.router_logits[..ne]);
+        } else {
+            let mut jobs = vec![(w_router, &mut s.router_logits[..ne])];
+            jobs.extend(rest_jobs(
+                w_latent,
+                w_shared,
+                &mut s.z[..dz],
+                &mut s.ff_gate[..sw],
+                &mut s.ff_up[..sw],
+            ));
+            lin_batch(pool, &s.xn, jobs);
         }
-        lin_batch(pool, &s.xn, jobs);
         // router: selection with bias, weights from the unbiased scores
         let cfg = router::RouterCfg {
             top_k: k,
@@ -877,6 +918,62 @@ impl<'s> Executor<'s> {
             &mut s.ids[..k],
             &mut s.weights[..k],
         );
+        let shared_down = if sw > 0 {
+            Some(need(lw, l, TensorRole::SharedDown)?)
+        } else {
+            None
+        };
+        // Shared experts into tmp_d: glu(gate, up) then the down-projection.
+        let shared = |ff_gate: &[f32], ff_up: &[f32], ff_h: &mut [f32], tmp_d: &mut [f32]| {
+            if let Some(w) = shared_down {
+                glu(
+                    spec.activation,
+                    &ff_gate[..sw],
+                    &ff_up[..sw],
+                    &mut ff_h[..sw],
+                );
+                lin(pool, w, &ff_h[..sw], tmp_d);
+            }
+        };
+        let ews: Vec<ExpertWeights<'_>> = if overlap {
+            let ids = &s.ids[..k];
+            let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (
+                &s.xn,
+                &mut s.z,
+                &mut s.ff_gate,
+                &mut s.ff_up,
+                &mut s.ff_h,
+                &mut s.tmp_d,
+            );
+            std::thread::scope(|sc| {
+                let fetch = std::thread::Builder::new()
+                    .name("k3-expert-fetch".to_string())
+                    .spawn_scoped(sc, move || experts.experts(l, ids));
+                match fetch {
+                    Ok(h) => {
+                        let jobs = rest_jobs(
+                            w_latent,
+                            w_shared,
+                            &mut z[..dz],
+                            &mut ff_gate[..sw],
+                            &mut ff_up[..sw],
+                        );
+                        if !jobs.is_empty() {
+                            lin_batch(pool, xn, jobs);
+                        }
+                        shared(ff_gate, ff_up, ff_h, tmp_d);
+                        h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+                    }
+                    Err(e) => Err(WeightError::Invalid {
+                        name: format!("routed experts of layer {l}"),
+                        msg: format!("cannot start the expert fetch thread: {e}"),
+                    }),
+                }
+            })?
+        } else {
+            shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+            experts.experts(l, &s.ids[..k])?
+        };
         // latent down-projection z = W_down x  [latent] (computed above)
         let xin: &[f32] = if p.d_latent.is_some() {
             &s.z[..dz]
@@ -889,7 +986,6 @@ impl<'s> Executor<'s> {
         // slots [gate ff | up ff | h ff | out dz] and are combined afterwards in ascending id.
         let stride = 3 * ff + dz;
         {
-            let ews: Vec<ExpertWeights<'_>> = experts.experts(l, &s.ids[..k])?;
             let act = spec.activation;
             pool.for_each_chunk(&mut s.experts_scratch[..k * stride], stride, |j, buf| {
                 let ew = &ews[j];
@@ -902,6 +998,7 @@ impl<'s> Executor<'s> {
                 matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
             });
         }
+        drop(ews);
         s.acc[..dz].fill(0.0);
         for j in 0..k {
             let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];
@@ -930,20 +1027,8 @@ impl<'s> Executor<'s> {
         } else {
             s.mlp_out.copy_from_slice(routed);
         }
-        // fused shared experts (width d_expert_ff * n_shared) on the same input
+        // fused shared experts (width d_expert_ff * n_shared) on the same input (computed above)
         if sw > 0 {
-            glu(
-                spec.activation,
-                &s.ff_gate[..sw],
-                &s.ff_up[..sw],
-                &mut s.ff_h[..sw],
-            );
-            lin(
-                pool,
-                need(lw, l, TensorRole::SharedDown)?,
-                &s.ff_h[..sw],
-                &mut s.tmp_d,
-            );
             ops::add_inplace(&mut s.mlp_out, &s.tmp_d);
         }
         Ok(())

@@ -160,6 +160,12 @@ pub trait ExpertSource: Send {
     fn prefetch_margin(&self) -> Option<usize> {
         None
     }
+    /// `true` when [`ExpertSource::experts`] may block on disk reads: the executor then calls
+    /// it from a helper thread while it computes the work that does not need the routed
+    /// experts (latent down-projection, shared experts). Default `false` (served from RAM).
+    fn reads_block(&self) -> bool {
+        false
+    }
 }
 
 /// Supplies the global tensors.

@@ -1170,6 +1170,10 @@ impl ExpertSource for ExpertCache<'_> {
         self.stats.clone()
     }
 
+    fn reads_block(&self) -> bool {
+        true
+    }
+
     fn prefetch_margin(&self) -> Option<usize> {
         if self.capacity == 0 || self.prefetch_off.is_some() {
             None

@@ -216,6 +216,26 @@ impl Scratch {
     }
 }
 
+/// Tokens per layer-major prefill call ([`Executor::prefill`]) when a prompt is fed: the
+/// trunk is streamed once per chunk; each token in flight holds one residual carry.
+pub const PREFILL_CHUNK: usize = 64;
+
+/// The per-token part of the residual stream between layers (AttnRes partial sum and
+/// completed block sums), swapped in and out of the scratch by layer-major prefill.
+struct Carry {
+    partial: Vec<f32>,
+    has_partial: bool,
+    blocks: Vec<Vec<f32>>,
+}
+
+impl Carry {
+    fn swap_with(&mut self, s: &mut Scratch) {
+        std::mem::swap(&mut self.partial, &mut s.partial);
+        std::mem::swap(&mut self.has_partial, &mut s.has_partial);
+        std::mem::swap(&mut self.blocks, &mut s.blocks);
+    }
+}
+
 /// Runs the forward pass. One executor per model; sequences are [`SeqState`]s.
 pub struct Executor<'s> {
     spec: &'s ModelSpec,
@@ -369,104 +389,83 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [f32],
     ) -> Result<(), ExecError> {
+        self.prefill(&[token], state, w, logits)
+    }
+
+    /// Feed `tokens` at positions `state.n_pos..`, LAYER-MAJOR: each layer's weights are
+    /// fetched once and applied to every token in turn (token order inside the layer), so a
+    /// streamed trunk is read once per call instead of once per token. Writes the logits after
+    /// the LAST token only. Every token goes through exactly the operations of [`Self::step`]
+    /// in the same order with the same per-layer state, so the bits equal feeding the tokens
+    /// one by one. The expert source sees one `begin_token` per call. Holds one residual
+    /// carry (d_model floats per AttnRes block) per token: callers chunk long prompts
+    /// ([`PREFILL_CHUNK`]).
+    pub fn prefill(
+        &mut self,
+        tokens: &[u32],
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        logits: &mut [f32],
+    ) -> Result<(), ExecError> {
         let spec = self.spec;
-        if token as usize >= spec.vocab_size {
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
             return Err(ExecError::BadToken {
                 token,
                 vocab: spec.vocab_size,
             });
         }
-        if state.n_pos >= self.plan.max_positions {
+        if state.n_pos + tokens.len() > self.plan.max_positions {
             return Err(ExecError::ContextFull {
-                pos: state.n_pos,
+                pos: state.n_pos.max(self.plan.max_positions),
                 max: self.plan.max_positions,
             });
         }
+        let Some(last) = tokens.len().checked_sub(1) else {
+            return Ok(());
+        };
         w.experts.begin_token();
-        let s = &mut self.s;
-        // h = E[token]  (the residual stream starts as the partial sum P)
-        w.global.embed_row(token, &mut s.partial)?;
-        s.has_partial = true;
-        s.blocks.clear();
-        for l in 0..spec.n_layers {
-            let layer = spec.layers[l];
-            let lw = w.trunk.layer(l)?;
-            // ---- expert prefetch guess (speculative; cannot change any bit) ----
-            // Route with this layer's router on the current residual (rmsnorm of the partial sum
-            // with the post-attention norm) and let the expert source start reading the top
-            // (k + margin) ids while the attention below computes. Own buffers only; the real
-            // routing after attention decides.
-            if let (FfnKind::Moe, Some(margin)) = (layer.ffn, w.experts.prefetch_margin()) {
-                let g = self
-                    .guess
-                    .get_or_insert_with(|| GuessScratch::new(&self.plan));
-                if let Some(n) = Self::guess_experts(spec, &self.pool, &s.partial, g, &lw, margin) {
-                    w.experts.prefetch(l, &g.ids[..n]);
-                }
-            }
-            // ---- end expert prefetch guess ----
-            // blk.{l}.attn_in
-            match &spec.attn_res {
-                Some(ar) => {
-                    if s.blocks.is_empty() {
-                        s.x.copy_from_slice(&s.partial);
-                    } else {
-                        let proj = need(&lw, l, TensorRole::AttnResProj)?;
-                        let norm = need(&lw, l, TensorRole::AttnResNorm)?;
-                        Self::attn_res(s, proj, norm, ar.eps, true);
-                    }
-                    if l % ar.block_size == 0 {
-                        s.blocks.push(s.partial.clone());
-                        s.has_partial = false;
-                    }
-                }
-                None => s.x.copy_from_slice(&s.partial),
-            }
-            let n = widen(need(&lw, l, TensorRole::InputNorm)?, &mut s.w_a);
-            ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
-            // blk.{l}.attn_out
-            match (layer.attn, &mut state.layers[l]) {
-                (AttnKind::Kda, LayerState::Kda(st)) => {
-                    Self::kda(spec, &self.pool, s, &lw, l, st)?;
-                }
-                (AttnKind::Mla, LayerState::Mla(st)) => {
-                    Self::mla(spec, &self.pool, s, &lw, l, st, state.n_pos)?;
-                }
-                _ => unreachable!("SeqState is built from the same layer map"),
-            }
-            if s.has_partial {
-                ops::add_inplace(&mut s.partial, &s.attn_out);
+        // h = E[token]  (the residual stream starts as the partial sum P); one carry per token
+        // beyond the first (the first lives in the scratch itself)
+        let mut carries: Vec<Carry> = Vec::with_capacity(last);
+        for (t, &token) in tokens.iter().enumerate() {
+            let (partial, blocks) = if t == 0 {
+                (&mut self.s.partial, &mut self.s.blocks)
             } else {
-                s.partial.copy_from_slice(&s.attn_out);
-                s.has_partial = true;
-            }
-            // blk.{l}.mlp_in
-            match &spec.attn_res {
-                Some(ar) => {
-                    let proj = need(&lw, l, TensorRole::MlpResProj)?;
-                    let norm = need(&lw, l, TensorRole::MlpResNorm)?;
-                    Self::attn_res(s, proj, norm, ar.eps, true);
-                }
-                None => s.x.copy_from_slice(&s.partial),
-            }
-            let n = widen(need(&lw, l, TensorRole::PostAttnNorm)?, &mut s.w_a);
-            ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
-            // blk.{l}.mlp_out
-            match layer.ffn {
-                FfnKind::Dense => Self::dense(spec, &self.pool, s, &lw, l)?,
-                FfnKind::Moe => {
-                    Self::moe(
-                        spec,
-                        (&self.pool, &self.serial),
-                        s,
-                        &lw,
-                        l,
-                        w.experts.as_mut(),
-                    )?;
-                }
-            }
-            ops::add_inplace(&mut s.partial, &s.mlp_out);
+                carries.push(Carry {
+                    partial: vec![0.0; spec.d_model],
+                    has_partial: true,
+                    blocks: Vec::new(),
+                });
+                let c = carries.last_mut().expect("just pushed");
+                (&mut c.partial, &mut c.blocks)
+            };
+            w.global.embed_row(token, partial)?;
+            blocks.clear();
         }
+        self.s.has_partial = true;
+        for l in 0..spec.n_layers {
+            let lw = w.trunk.layer(l)?;
+            for t in 0..tokens.len() {
+                if t > 0 {
+                    carries[t - 1].swap_with(&mut self.s);
+                }
+                let r = self.layer(
+                    l,
+                    &lw,
+                    &mut state.layers[l],
+                    state.n_pos + t,
+                    w.experts.as_mut(),
+                );
+                if t > 0 {
+                    carries[t - 1].swap_with(&mut self.s);
+                }
+                r?;
+            }
+        }
+        if last > 0 {
+            carries[last - 1].swap_with(&mut self.s);
+        }
+        let s = &mut self.s;
         // out.hidden
         match &spec.attn_res {
             Some(ar) => {
@@ -499,7 +498,94 @@ impl<'s> Executor<'s> {
         ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
         // out.logits
         w.global.lm_head(&self.pool, &s.xn, logits)?;
-        state.n_pos += 1;
+        state.n_pos += tokens.len();
+        Ok(())
+    }
+
+    /// Layer `l` for the token whose residual carry is in the scratch, at position `pos`.
+    fn layer(
+        &mut self,
+        l: usize,
+        lw: &LayerWeights<'_>,
+        st: &mut LayerState,
+        pos: usize,
+        experts: &mut dyn ExpertSource,
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let layer = spec.layers[l];
+        let (pool, serial, plan, s, guess) = (
+            &self.pool,
+            &self.serial,
+            &self.plan,
+            &mut self.s,
+            &mut self.guess,
+        );
+        // ---- expert prefetch guess (speculative; cannot change any bit) ----
+        // Route with this layer's router on the current residual (rmsnorm of the partial sum
+        // with the post-attention norm) and let the expert source start reading the top
+        // (k + margin) ids while the attention below computes. Own buffers only; the real
+        // routing after attention decides.
+        if let (FfnKind::Moe, Some(margin)) = (layer.ffn, experts.prefetch_margin()) {
+            let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
+            if let Some(n) = Self::guess_experts(spec, pool, &s.partial, g, lw, margin) {
+                experts.prefetch(l, &g.ids[..n]);
+            }
+        }
+        // ---- end expert prefetch guess ----
+        // blk.{l}.attn_in
+        match &spec.attn_res {
+            Some(ar) => {
+                if s.blocks.is_empty() {
+                    s.x.copy_from_slice(&s.partial);
+                } else {
+                    let proj = need(lw, l, TensorRole::AttnResProj)?;
+                    let norm = need(lw, l, TensorRole::AttnResNorm)?;
+                    Self::attn_res(s, proj, norm, ar.eps, true);
+                }
+                if l.is_multiple_of(ar.block_size) {
+                    s.blocks.push(s.partial.clone());
+                    s.has_partial = false;
+                }
+            }
+            None => s.x.copy_from_slice(&s.partial),
+        }
+        let n = widen(need(lw, l, TensorRole::InputNorm)?, &mut s.w_a);
+        ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
+        // blk.{l}.attn_out
+        match (layer.attn, st) {
+            (AttnKind::Kda, LayerState::Kda(st)) => {
+                Self::kda(spec, pool, s, lw, l, st)?;
+            }
+            (AttnKind::Mla, LayerState::Mla(st)) => {
+                Self::mla(spec, pool, s, lw, l, st, pos)?;
+            }
+            _ => unreachable!("SeqState is built from the same layer map"),
+        }
+        if s.has_partial {
+            ops::add_inplace(&mut s.partial, &s.attn_out);
+        } else {
+            s.partial.copy_from_slice(&s.attn_out);
+            s.has_partial = true;
+        }
+        // blk.{l}.mlp_in
+        match &spec.attn_res {
+            Some(ar) => {
+                let proj = need(lw, l, TensorRole::MlpResProj)?;
+                let norm = need(lw, l, TensorRole::MlpResNorm)?;
+                Self::attn_res(s, proj, norm, ar.eps, true);
+            }
+            None => s.x.copy_from_slice(&s.partial),
+        }
+        let n = widen(need(lw, l, TensorRole::PostAttnNorm)?, &mut s.w_a);
+        ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
+        // blk.{l}.mlp_out
+        match layer.ffn {
+            FfnKind::Dense => Self::dense(spec, pool, s, lw, l)?,
+            FfnKind::Moe => {
+                Self::moe(spec, (pool, serial), s, lw, l, experts)?;
+            }
+        }
+        ops::add_inplace(&mut s.partial, &s.mlp_out);
         Ok(())
     }
 

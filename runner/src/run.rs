@@ -8,7 +8,7 @@ use std::time::Instant;
 use k3_kernels::ops;
 use k3_models::spec::ModelSpec;
 
-use crate::exec::{ExecError, Executor, Providers, SeqState};
+use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState};
 
 /// How to generate.
 #[derive(Clone, Debug)]
@@ -86,8 +86,10 @@ pub fn generate_from(
         prompt_ids: req.prompt_ids.clone(),
         ..GenResult::default()
     };
-    for &t in &req.prompt_ids {
-        exec.step(t, &mut state, w, &mut logits)?;
+    // Layer-major chunks: a streamed trunk is read once per chunk, not once per prompt token
+    // (same bits as feeding token by token; tests/tests/invariance.rs).
+    for chunk in req.prompt_ids.chunks(PREFILL_CHUNK) {
+        exec.prefill(chunk, &mut state, w, &mut logits)?;
     }
     res.prefill_seconds = t0.elapsed().as_secs_f64();
     res.first_logits = logits.clone();
@@ -124,8 +126,8 @@ pub fn generate_from(
                 .chain(res.generated_ids.iter())
                 .copied()
                 .collect();
-            for &t in &all {
-                exec.step(t, &mut state, w, &mut logits)?;
+            for chunk in all.chunks(PREFILL_CHUNK) {
+                exec.prefill(chunk, &mut state, w, &mut logits)?;
             }
         }
         decode_seconds += ts.elapsed().as_secs_f64();

@@ -220,7 +220,37 @@ fn full_recompute_equals_incremental_bit_for_bit_fixture_b_3_threads() {
             "fixture B, 3 threads: logits after position {} differ between full recompute and incremental",
             end - 1
         );
+        // The same prefix fed LAYER-MAJOR in one call (each layer applied to every token
+        // before the next layer; AttnRes carries swapped per token).
+        let mut st = SeqState::new(&spec);
+        logits.fill(f32::NAN);
+        exec.prefill(&seq[..end], &mut st, &mut prov, &mut logits)
+            .expect("layer-major prefill");
+        assert_eq!(st.n_pos, end);
+        assert_eq!(
+            bits(&logits),
+            bits(&inc_rows[end - 1]),
+            "fixture B, 3 threads: logits after position {} differ between one layer-major \
+             prefill of the prefix and token-by-token steps",
+            end - 1
+        );
     }
+    // Layer-major chunks of 3 continuing one state: after every chunk the logits equal the
+    // token-by-token row at that position.
+    let mut st = SeqState::new(&spec);
+    let mut fed = 0;
+    for chunk in seq.chunks(3) {
+        exec.prefill(chunk, &mut st, &mut prov, &mut logits)
+            .expect("chunked prefill");
+        fed += chunk.len();
+        assert_eq!(
+            bits(&logits),
+            bits(&inc_rows[fed - 1]),
+            "fixture B: chunked layer-major prefill differs after position {}",
+            fed - 1
+        );
+    }
+    assert_eq!(fed, seq.len());
     let p = s.prompt_ids.len();
     assert_eq!(
         am[p - 1..p - 1 + n_gen],

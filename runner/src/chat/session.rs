@@ -319,13 +319,14 @@ impl<'s> Session<'s> {
             total: target.len(),
             seconds: 0.0,
         };
-        for &id in &target[reused..] {
+        // Layer-major chunks: the trunk is read once per chunk, not once per token.
+        for chunk in target[reused..].chunks(crate::exec::PREFILL_CHUNK) {
             if interrupt.load(Ordering::Relaxed) {
                 break;
             }
-            exec.step(id, &mut self.state, w, &mut self.logits)?;
-            self.fed.push(id);
-            p.fed += 1;
+            exec.prefill(chunk, &mut self.state, w, &mut self.logits)?;
+            self.fed.extend_from_slice(chunk);
+            p.fed += chunk.len();
         }
         p.seconds = t0.elapsed().as_secs_f64();
         Ok(p)

@@ -7,9 +7,11 @@
 //!
 //! Follows upstream: `../shared/research/k3-architecture.md` §4 (HF `modeling_kimi_linear.py`
 //! semantics) with the seed engine's precision model (NUMERICS.md §2): every activation stays
-//! f32, weights are widened exactly from bf16 / MXFP4. Every position is processed token by
-//! token with the same kernels, so prefill, full recompute and incremental decode give the same
-//! bits (NUMERICS.md §1).
+//! f32, weights are widened exactly from bf16 / MXFP4. Every position goes through the same
+//! kernel calls in the same order whether fed token by token ([`Executor::step`]) or
+//! layer-major in a chunk ([`Executor::prefill`]: each layer applied to every token of the
+//! chunk before the next layer), so prefill, full recompute and incremental decode give the
+//! same bits (NUMERICS.md §1).
 //!
 //! Tap names (rule of thumb 3) used in comments and dumps: `blk.{l}.attn_in`, `blk.{l}.attn_out`,
 //! `blk.{l}.mlp_in`, `blk.{l}.mlp_out`, `out.hidden`, `out.logits`.

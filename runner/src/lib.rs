@@ -2,9 +2,10 @@
 //!
 //! Map: [`checkpoint`] reads real-layout safetensors checkpoints; [`synth`] writes synthetic
 //! ones; [`plan`] compiles a spec into an execution plan; [`exec`] runs the forward pass over
-//! the [`weights`] providers ([`resident`] or [`stream`]); [`run`] is the decode loop; [`cli`]
-//! is the `k3-run` command line.
+//! the [`weights`] providers ([`resident`], optionally over an [`arena`], or [`stream`]);
+//! [`run`] is the decode loop; [`cli`] is the `k3-run` command line.
 
+pub mod arena;
 pub mod chat;
 pub mod checkpoint;
 pub mod cli;

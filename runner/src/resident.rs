@@ -1,46 +1,278 @@
-//! Resident weight providers: every tensor served straight from the checkpoint's memory maps.
+//! Resident weight providers: every tensor held in RAM for the whole run.
 //!
 //! Owns: the [`TrunkSource`], [`ExpertSource`] and [`GlobalSource`] used when no packed trunk
-//! is given (SYSTEM.md §3: "without a packed trunk the whole trunk loads resident"). Must not:
-//! copy or convert weights (the executor widens exactly from the checkpoint's own bytes).
+//! is given (SYSTEM.md §3: "without a packed trunk the whole trunk loads resident"), and which
+//! bytes each of them serves ([`ResidentMode`]): the checkpoint's own memory maps (page cache,
+//! 4 KiB pages; the default, and always under the `--io mmap` policy) or a [`ResidentArena`]
+//! (the checkpoint's tensors loaded once at start-up into 2 MiB-page anonymous memory; opt-in,
+//! `K3_RESIDENT=arena`: on k3-mini it decoded 2-7% faster but cost 3-16 s of start-up, see
+//! docs/PERFORMANCE.md). Every tensor is bound once at construction, including a
+//! (layer, expert) -> tensors index, so a request does no name lookup.
+//! Must not: convert weights (the executor widens exactly from the checkpoint's own bytes;
+//! the arena holds a byte copy of them, so both sources give identical bits).
+
+use std::sync::Arc;
 
 use k3_kernels::{matvec, par::Pool};
-use k3_models::spec::{ModelSpec, TensorRole};
+use k3_models::spec::{ModelSpec, TensorDecl, TensorRole};
 
+use crate::arena::{Arena, ArenaOptions, ArenaStats};
 use crate::checkpoint::Checkpoint;
+use crate::stream::StreamError;
 use crate::weights::{
     ExpertSource, ExpertStats, ExpertWeights, GlobalSource, LayerWeights, TensorBytes, TrunkSource,
     TrunkStats, WeightError,
 };
 
-fn bytes_of<'c>(
-    ckpt: &'c Checkpoint,
-    decl: &'c k3_models::spec::TensorDecl,
-) -> Result<TensorBytes<'c>, WeightError> {
-    let bytes = ckpt
-        .try_bytes(&decl.name)
-        .ok_or_else(|| WeightError::Invalid {
-            name: decl.name.clone(),
-            msg: format!("not present in the checkpoint at {}", ckpt.dir().display()),
-        })?;
-    Ok(TensorBytes { decl, bytes })
+/// Which part of the model a declared tensor belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// Per-layer tensors that are not routed experts.
+    Trunk,
+    /// Routed-expert tensors.
+    Experts,
+    /// Tensors of no layer (embedding, lm_head, final norms).
+    Global,
 }
 
-/// The whole dense trunk, resident (memory-mapped checkpoint shards).
+impl Part {
+    pub fn of(decl: &TensorDecl) -> Part {
+        match (decl.layer, decl.expert) {
+            (_, Some(_)) => Part::Experts,
+            (Some(_), None) => Part::Trunk,
+            (None, None) => Part::Global,
+        }
+    }
+}
+
+/// Declared tensors of the chosen parts, loaded into one huge-page arena.
+#[derive(Debug)]
+pub struct ResidentArena {
+    arena: Arena,
+    /// Position in `spec.tensors` -> index in `arena`.
+    slot: Vec<Option<u32>>,
+}
+
+impl ResidentArena {
+    /// Load every tensor of `spec` whose [`Part`] is in `parts` from `ckpt`.
+    pub fn load(
+        spec: &ModelSpec,
+        ckpt: &Checkpoint,
+        parts: &[Part],
+        opts: &ArenaOptions,
+    ) -> Result<ResidentArena, StreamError> {
+        let mut slot = vec![None; spec.tensors.len()];
+        let mut decls = Vec::new();
+        for (i, d) in spec.tensors.iter().enumerate() {
+            if parts.contains(&Part::of(d)) {
+                slot[i] =
+                    Some(u32::try_from(decls.len()).map_err(|_| {
+                        StreamError::Invalid("more than 2^32 resident tensors".into())
+                    })?);
+                decls.push(d);
+            }
+        }
+        let arena = Arena::load(ckpt, &decls, opts)?;
+        Ok(ResidentArena { arena, slot })
+    }
+
+    /// Bytes the arena would take for `parts` (tensor bytes; the arena adds < 0.1% padding).
+    pub fn planned_bytes(spec: &ModelSpec, ckpt: &Checkpoint, parts: &[Part]) -> u64 {
+        spec.tensors
+            .iter()
+            .filter(|d| parts.contains(&Part::of(d)))
+            .filter_map(|d| ckpt.try_location(&d.name))
+            .map(|l| l.n_bytes)
+            .sum()
+    }
+
+    pub fn stats(&self) -> &ArenaStats {
+        self.arena.stats()
+    }
+
+    pub fn startup_line(&self) -> String {
+        self.arena.startup_line()
+    }
+
+    fn get(&self, spec_index: usize) -> Option<u32> {
+        self.slot.get(spec_index).copied().flatten()
+    }
+}
+
+/// Where the resident parts of the model live (output bits never depend on it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ResidentMode {
+    /// Served from the checkpoint's memory maps (page cache, 4 KiB pages). Default.
+    #[default]
+    Mmap,
+    /// Loaded at start-up into 2 MiB-page anonymous memory ([`ResidentArena`]) with O_DIRECT
+    /// reads; falls back to `Mmap` (reported) when it does not fit in the memory available.
+    /// The `--io mmap` policy always means `Mmap`.
+    Arena,
+}
+
+/// Environment variable choosing [`ResidentMode`] for [`crate::session::build`]: `mmap` or `arena`.
+pub const RESIDENT_ENV: &str = "K3_RESIDENT";
+
+impl ResidentMode {
+    /// Parse `mmap` / `arena`.
+    pub fn parse(v: &str) -> Result<ResidentMode, StreamError> {
+        match v {
+            "mmap" => Ok(ResidentMode::Mmap),
+            "arena" => Ok(ResidentMode::Arena),
+            v => Err(StreamError::Config(format!(
+                "unknown resident mode {v:?} (from {RESIDENT_ENV}); expected mmap or arena"
+            ))),
+        }
+    }
+
+    /// [`RESIDENT_ENV`] if set, else the default.
+    pub fn from_env() -> Result<ResidentMode, StreamError> {
+        match std::env::var(RESIDENT_ENV) {
+            Ok(v) => Self::parse(v.trim()),
+            Err(_) => Ok(ResidentMode::default()),
+        }
+    }
+}
+
+/// With [`ResidentMode::Arena`], load the resident parts (trunk without `--trunk`, experts
+/// without `--cache-gb`, globals without `--ultra-low-memory`) into a 2 MiB-page arena, unless
+/// the I/O policy is `mmap` or they do not fit in the memory available; otherwise they are
+/// served from the checkpoint's memory maps. Returns the arena and the words saying where the
+/// resident bytes live.
+pub fn load_resident(
+    spec: &ModelSpec,
+    ckpt: &Checkpoint,
+    m: &crate::session::MemorySettings,
+    mode: ResidentMode,
+    startup: &mut Vec<String>,
+) -> Result<(Option<Arc<ResidentArena>>, &'static str), StreamError> {
+    const MAPPED: &str = "memory-mapped checkpoint shards";
+    let mut parts = Vec::new();
+    if m.trunk_dir.is_none() {
+        parts.push(Part::Trunk);
+    }
+    if m.cache_budget_bytes.is_none() {
+        parts.push(Part::Experts);
+    }
+    if !m.ultra_low_memory {
+        parts.push(Part::Global);
+    }
+    if parts.is_empty()
+        || mode == ResidentMode::Mmap
+        || m.io.trunk == crate::stream::io_policy::TrunkIo::Mmap
+    {
+        return Ok((None, MAPPED));
+    }
+    let need = ResidentArena::planned_bytes(spec, ckpt, &parts);
+    if let Some(avail) = crate::stream::plan::memory_limit_bytes()
+        && need > avail
+    {
+        startup.push(format!(
+            "resident weights: {} do not fit in the {} of memory available; served from the checkpoint's memory maps instead",
+            crate::stream::fmt_bytes(need),
+            crate::stream::fmt_bytes(avail)
+        ));
+        return Ok((None, MAPPED));
+    }
+    let opts = crate::arena::ArenaOptions {
+        o_direct: m.io.o_direct,
+        huge_pages: m.io.huge_pages,
+        read_threads: m.io.read_threads,
+        progress: true,
+    };
+    // The open-time checks touched ~1/4 of the shards through the maps (scale pages and
+    // their fault-around neighbours); let those go first so peak RSS is the arena, not both.
+    crate::arena::release_mapped_pages(ckpt);
+    let a = ResidentArena::load(spec, ckpt, &parts, &opts)?;
+    startup.push(a.startup_line());
+    let words = if a.stats().huge_pages {
+        "in RAM, 2 MiB pages"
+    } else {
+        "in RAM"
+    };
+    Ok((Some(Arc::new(a)), words))
+}
+
+/// Where one bound tensor's bytes are.
+#[derive(Clone, Copy, Debug)]
+enum Src<'c> {
+    Mapped(&'c [u8]),
+    Arena(u32),
+}
+
+/// The source of every resident tensor: the arena when it holds the tensor, else the map.
+#[derive(Clone, Debug)]
+struct Binder<'c> {
+    spec: &'c ModelSpec,
+    ckpt: &'c Checkpoint,
+    arena: Option<Arc<ResidentArena>>,
+}
+
+impl<'c> Binder<'c> {
+    fn bind(&self, i: usize) -> Result<Src<'c>, WeightError> {
+        if let Some(s) = self.arena.as_ref().and_then(|a| a.get(i)) {
+            return Ok(Src::Arena(s));
+        }
+        let decl = &self.spec.tensors[i];
+        let bytes = self
+            .ckpt
+            .try_bytes(&decl.name)
+            .ok_or_else(|| WeightError::Invalid {
+                name: decl.name.clone(),
+                msg: format!(
+                    "not present in the checkpoint at {}",
+                    self.ckpt.dir().display()
+                ),
+            })?;
+        Ok(Src::Mapped(bytes))
+    }
+}
+
+/// Resolve a bound source against its arena.
+fn resolve<'a>(arena: Option<&'a Arc<ResidentArena>>, src: Src<'a>) -> &'a [u8] {
+    match (src, arena) {
+        (Src::Mapped(b), _) => b,
+        (Src::Arena(s), Some(a)) => a.arena.bytes(s as usize),
+        (Src::Arena(_), None) => {
+            unreachable!("invariant: Src::Arena is only bound when the provider holds an arena")
+        }
+    }
+}
+
+/// The whole dense trunk, resident.
 pub struct ResidentTrunk<'c> {
-    layers: Vec<Vec<TensorBytes<'c>>>,
+    layers: Vec<Vec<(&'c TensorDecl, Src<'c>)>>,
+    arena: Option<Arc<ResidentArena>>,
     stats: TrunkStats,
 }
 
 impl<'c> ResidentTrunk<'c> {
+    /// Served from the checkpoint's memory maps.
     pub fn new(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Result<Self, WeightError> {
-        let mut layers: Vec<Vec<TensorBytes<'c>>> = vec![Vec::new(); spec.n_layers];
+        Self::with_arena(spec, ckpt, None)
+    }
+
+    /// Served from `arena` for the tensors it holds (the rest from the memory maps).
+    pub fn with_arena(
+        spec: &'c ModelSpec,
+        ckpt: &'c Checkpoint,
+        arena: Option<Arc<ResidentArena>>,
+    ) -> Result<Self, WeightError> {
+        let b = Binder { spec, ckpt, arena };
+        let mut layers: Vec<Vec<(&'c TensorDecl, Src<'c>)>> = vec![Vec::new(); spec.n_layers];
         let mut pinned_bytes = 0u64;
-        for t in &spec.tensors {
+        for (i, t) in spec.tensors.iter().enumerate() {
             if let (Some(l), None) = (t.layer, t.expert) {
-                let tb = bytes_of(ckpt, t)?;
-                pinned_bytes += tb.bytes.len() as u64;
-                layers[l].push(tb);
+                let src = b.bind(i)?;
+                pinned_bytes += resolve(b.arena.as_ref(), src).len() as u64;
+                layers
+                    .get_mut(l)
+                    .ok_or_else(|| WeightError::Invalid {
+                        name: t.name.clone(),
+                        msg: format!("layer {l} is past the model's {} layers", spec.n_layers),
+                    })?
+                    .push((t, src));
             }
         }
         let stats = TrunkStats {
@@ -49,57 +281,136 @@ impl<'c> ResidentTrunk<'c> {
             pinned_bytes,
             ..TrunkStats::default()
         };
-        Ok(ResidentTrunk { layers, stats })
+        Ok(ResidentTrunk {
+            layers,
+            arena: b.arena,
+            stats,
+        })
     }
 }
 
 impl TrunkSource for ResidentTrunk<'_> {
     fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
-        Ok(LayerWeights {
-            tensors: self.layers[layer].clone(),
-        })
+        let arena = self.arena.as_ref();
+        let tensors = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| WeightError::Invalid {
+                name: format!("layer {layer}"),
+                msg: format!("past the model's {} layers", self.layers.len()),
+            })?
+            .iter()
+            .map(|&(decl, src)| TensorBytes {
+                decl,
+                bytes: resolve(arena, src),
+            })
+            .collect();
+        Ok(LayerWeights { tensors })
     }
     fn stats(&self) -> TrunkStats {
         self.stats.clone()
     }
 }
 
-/// Every routed expert, resident (memory-mapped).
+/// The six MXFP4 roles of a routed expert, in [`ExpertWeights`] field order.
+const EXPERT_ROLES: [TensorRole; 6] = [
+    TensorRole::ExpertW1Packed,
+    TensorRole::ExpertW1Scale,
+    TensorRole::ExpertW3Packed,
+    TensorRole::ExpertW3Scale,
+    TensorRole::ExpertW2Packed,
+    TensorRole::ExpertW2Scale,
+];
+
+/// One expert's bound tensors; `None` where the spec declares no such role (reported on use).
+type ExpertSlots<'c> = [Option<Src<'c>>; 6];
+
+/// Every routed expert, resident.
 pub struct ResidentExperts<'c> {
-    spec: &'c ModelSpec,
-    ckpt: &'c Checkpoint,
+    /// `index[layer]`: that layer's experts by id (empty for layers without routed experts).
+    index: Vec<Vec<ExpertSlots<'c>>>,
+    /// First tensor that could not be bound, reported on the first request for it.
+    unbound: Vec<((usize, usize), String)>,
+    arena: Option<Arc<ResidentArena>>,
     stats: ExpertStats,
 }
 
 impl<'c> ResidentExperts<'c> {
+    /// Served from the checkpoint's memory maps.
     pub fn new(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Self {
+        Self::with_arena(spec, ckpt, None)
+    }
+
+    /// Served from `arena` for the tensors it holds (the rest from the memory maps).
+    pub fn with_arena(
+        spec: &'c ModelSpec,
+        ckpt: &'c Checkpoint,
+        arena: Option<Arc<ResidentArena>>,
+    ) -> Self {
+        let b = Binder { spec, ckpt, arena };
+        let mut index: Vec<Vec<ExpertSlots<'c>>> = vec![Vec::new(); spec.n_layers];
+        let mut unbound = Vec::new();
+        for (i, t) in spec.tensors.iter().enumerate() {
+            let (Some(l), Some(e)) = (t.layer, t.expert) else {
+                continue;
+            };
+            let Some(r) = EXPERT_ROLES.iter().position(|&r| r == t.role) else {
+                continue;
+            };
+            let Some(experts) = index.get_mut(l) else {
+                continue; // a layer past n_layers is never requested
+            };
+            if experts.len() <= e {
+                experts.resize(e + 1, [None; 6]);
+            }
+            match b.bind(i) {
+                Ok(src) => experts[e][r] = Some(src),
+                Err(err) => unbound.push(((l, e), err.to_string())),
+            }
+        }
         ResidentExperts {
-            spec,
-            ckpt,
+            index,
+            unbound,
+            arena: b.arena,
             stats: ExpertStats::default(),
         }
     }
 
-    fn one(&self, layer: usize, e: usize) -> Result<ExpertWeights<'c>, WeightError> {
-        let get = |role: TensorRole| -> Result<&'c [u8], WeightError> {
-            let spec: &'c ModelSpec = self.spec;
-            let decl =
-                spec.tensor(role, Some(layer), Some(e))
-                    .ok_or_else(|| WeightError::Expert {
-                        layer,
-                        expert: e,
-                        msg: format!("{role:?} is not declared by the model spec"),
-                    })?;
-            Ok(bytes_of(self.ckpt, decl)?.bytes)
+    fn one(&self, layer: usize, e: usize) -> Result<ExpertWeights<'_>, WeightError> {
+        if let Some((_, msg)) = self.unbound.iter().find(|(k, _)| *k == (layer, e)) {
+            return Err(WeightError::Expert {
+                layer,
+                expert: e,
+                msg: msg.clone(),
+            });
+        }
+        let slots = self
+            .index
+            .get(layer)
+            .and_then(|x| x.get(e))
+            .ok_or_else(|| WeightError::Expert {
+                layer,
+                expert: e,
+                msg: "not declared by the model spec".into(),
+            })?;
+        let arena = self.arena.as_ref();
+        let get = |r: usize| -> Result<&[u8], WeightError> {
+            slots[r]
+                .map(|src| resolve(arena, src))
+                .ok_or_else(|| WeightError::Expert {
+                    layer,
+                    expert: e,
+                    msg: format!("{:?} is not declared by the model spec", EXPERT_ROLES[r]),
+                })
         };
         Ok(ExpertWeights {
             expert: e,
-            w1_packed: get(TensorRole::ExpertW1Packed)?,
-            w1_scale: get(TensorRole::ExpertW1Scale)?,
-            w3_packed: get(TensorRole::ExpertW3Packed)?,
-            w3_scale: get(TensorRole::ExpertW3Scale)?,
-            w2_packed: get(TensorRole::ExpertW2Packed)?,
-            w2_scale: get(TensorRole::ExpertW2Scale)?,
+            w1_packed: get(0)?,
+            w1_scale: get(1)?,
+            w3_packed: get(2)?,
+            w3_scale: get(3)?,
+            w2_packed: get(4)?,
+            w2_scale: get(5)?,
         })
     }
 }
@@ -110,13 +421,13 @@ impl ExpertSource for ResidentExperts<'_> {
         layer: usize,
         ids: &[u32],
     ) -> Result<Vec<ExpertWeights<'_>>, WeightError> {
+        self.stats.requests += ids.len() as u64;
+        self.stats.hits += ids.len() as u64;
+        self.stats.resident_hits += ids.len() as u64;
         let mut out = Vec::with_capacity(ids.len());
         for &e in ids {
             out.push(self.one(layer, e as usize)?);
         }
-        self.stats.requests += ids.len() as u64;
-        self.stats.hits += ids.len() as u64;
-        self.stats.resident_hits += ids.len() as u64;
         Ok(out)
     }
     fn stats(&self) -> ExpertStats {
@@ -126,32 +437,49 @@ impl ExpertSource for ResidentExperts<'_> {
 
 /// Embedding, lm_head and the final small tensors, resident.
 pub struct ResidentGlobal<'c> {
-    embed: TensorBytes<'c>,
-    lm_head: TensorBytes<'c>,
-    small: Vec<TensorBytes<'c>>,
+    embed: (&'c TensorDecl, Src<'c>),
+    lm_head: (&'c TensorDecl, Src<'c>),
+    small: Vec<(&'c TensorDecl, Src<'c>)>,
+    arena: Option<Arc<ResidentArena>>,
     d_model: usize,
 }
 
 impl<'c> ResidentGlobal<'c> {
+    /// Served from the checkpoint's memory maps.
     pub fn new(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Result<Self, WeightError> {
-        let find = |role: TensorRole| -> Result<TensorBytes<'c>, WeightError> {
-            let decl = spec
-                .tensor(role, None, None)
+        Self::with_arena(spec, ckpt, None)
+    }
+
+    /// Served from `arena` for the tensors it holds (the rest from the memory maps).
+    pub fn with_arena(
+        spec: &'c ModelSpec,
+        ckpt: &'c Checkpoint,
+        arena: Option<Arc<ResidentArena>>,
+    ) -> Result<Self, WeightError> {
+        let b = Binder { spec, ckpt, arena };
+        let find = |role: TensorRole| -> Result<(&'c TensorDecl, Src<'c>), WeightError> {
+            let i = spec
+                .tensors
+                .iter()
+                .position(|t| t.role == role && t.layer.is_none() && t.expert.is_none())
                 .ok_or_else(|| WeightError::Invalid {
                     name: format!("{role:?}"),
                     msg: "not declared by the model spec".into(),
                 })?;
-            bytes_of(ckpt, decl)
+            Ok((&spec.tensors[i], b.bind(i)?))
         };
         let mut small = vec![find(TensorRole::FinalNorm)?];
         if spec.attn_res.is_some() {
             small.push(find(TensorRole::OutputResProj)?);
             small.push(find(TensorRole::OutputResNorm)?);
         }
+        let embed = find(TensorRole::Embed)?;
+        let lm_head = find(TensorRole::LmHead)?;
         Ok(ResidentGlobal {
-            embed: find(TensorRole::Embed)?,
-            lm_head: find(TensorRole::LmHead)?,
+            embed,
+            lm_head,
             small,
+            arena: b.arena,
             d_model: spec.d_model,
         })
     }
@@ -161,12 +489,11 @@ impl GlobalSource for ResidentGlobal<'_> {
     fn embed_row(&mut self, token: u32, out: &mut [f32]) -> Result<(), WeightError> {
         let d = self.d_model;
         let row = 2 * d * token as usize;
-        let bytes = self
-            .embed
-            .bytes
+        let (decl, src) = self.embed;
+        let bytes = resolve(self.arena.as_ref(), src)
             .get(row..row + 2 * d)
             .ok_or_else(|| WeightError::Invalid {
-                name: self.embed.decl.name.clone(),
+                name: decl.name.clone(),
                 msg: format!("token {token} is past the end of the embedding"),
             })?;
         for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
@@ -176,22 +503,28 @@ impl GlobalSource for ResidentGlobal<'_> {
     }
 
     fn lm_head(&mut self, pool: &Pool, x: &[f32], logits: &mut [f32]) -> Result<(), WeightError> {
-        let w: std::borrow::Cow<'_, [u16]> =
-            match bytemuck::try_cast_slice::<u8, u16>(self.lm_head.bytes) {
-                Ok(s) => std::borrow::Cow::Borrowed(s),
-                Err(_) => std::borrow::Cow::Owned(
-                    self.lm_head
-                        .bytes
-                        .chunks_exact(2)
-                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                        .collect(),
-                ),
-            };
+        let bytes = resolve(self.arena.as_ref(), self.lm_head.1);
+        let w: std::borrow::Cow<'_, [u16]> = match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            Ok(s) if cfg!(target_endian = "little") => std::borrow::Cow::Borrowed(s),
+            _ => std::borrow::Cow::Owned(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+        };
         matvec::matvec_bf16(pool, &w, x, logits);
         Ok(())
     }
 
     fn small(&self, role: TensorRole) -> Option<TensorBytes<'_>> {
-        self.small.iter().copied().find(|t| t.decl.role == role)
+        let arena = self.arena.as_ref();
+        self.small
+            .iter()
+            .find(|(d, _)| d.role == role)
+            .map(|&(decl, src)| TensorBytes {
+                decl,
+                bytes: resolve(arena, src),
+            })
     }
 }

@@ -13,7 +13,9 @@ use k3_models::spec::ModelSpec;
 use crate::checkpoint::Checkpoint;
 use crate::exec::Providers;
 use crate::plan::Plan;
-use crate::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+use crate::resident::{
+    ResidentExperts, ResidentGlobal, ResidentMode, ResidentTrunk, load_resident,
+};
 use crate::stream::experts::{ExpertCache, ExpertCacheOptions};
 use crate::stream::global::{GlobalOptions, StreamedGlobal};
 use crate::stream::io_policy::{IoPolicy, TrunkIo};
@@ -71,14 +73,27 @@ pub struct Session<'c> {
     pub planned_bytes: u64,
     /// Seconds spent loading the pinned prefix (first-token cost), if any.
     pub pinned_load_seconds: f64,
+    /// Seconds spent loading the resident arena ([`ResidentMode::Arena`]; start-up cost), if any.
+    pub resident_load_seconds: f64,
 }
 
-/// Build the providers for `settings`.
+/// Build the providers for `settings`, resident parts placed by [`ResidentMode::from_env`].
 pub fn build<'c>(
     spec: &'c ModelSpec,
     ckpt: &'c Checkpoint,
     plan: &Plan,
     m: &MemorySettings,
+) -> Result<Session<'c>, StreamError> {
+    build_with(spec, ckpt, plan, m, ResidentMode::from_env()?)
+}
+
+/// Build the providers for `settings` with the resident parts placed by `resident`.
+pub fn build_with<'c>(
+    spec: &'c ModelSpec,
+    ckpt: &'c Checkpoint,
+    plan: &Plan,
+    m: &MemorySettings,
+    resident: ResidentMode,
 ) -> Result<Session<'c>, StreamError> {
     let mut startup = Vec::new();
     let mut planned = 0u64;
@@ -90,13 +105,18 @@ pub fn build<'c>(
         ));
     }
     let bind = |e: crate::weights::WeightError| StreamError::Invalid(e.to_string());
+    let (arena, resident_where) = load_resident(spec, ckpt, m, resident, &mut startup)?;
+    let resident_load_seconds = arena.as_ref().map_or(0.0, |a| a.stats().seconds);
+    if let Some(a) = &arena {
+        planned += a.stats().arena_bytes;
+    }
     let trunk: Box<dyn crate::weights::TrunkSource + 'c> = match &m.trunk_dir {
         None => {
             startup.push(format!(
-                "trunk: resident ({}, memory-mapped checkpoint shards)",
+                "trunk: resident ({}, {resident_where})",
                 fmt_bytes(plan.trunk_bytes())
             ));
-            Box::new(ResidentTrunk::new(spec, ckpt).map_err(bind)?)
+            Box::new(ResidentTrunk::with_arena(spec, ckpt, arena.clone()).map_err(bind)?)
         }
         Some(dir) => match m.io.trunk {
             TrunkIo::Direct => {
@@ -133,10 +153,10 @@ pub fn build<'c>(
     let experts: Box<dyn crate::weights::ExpertSource + 'c> = match m.cache_budget_bytes {
         None => {
             startup.push(format!(
-                "experts: resident ({}, memory-mapped checkpoint shards)",
+                "experts: resident ({}, {resident_where})",
                 fmt_bytes(plan.expert_bytes())
             ));
-            Box::new(ResidentExperts::new(spec, ckpt))
+            Box::new(ResidentExperts::with_arena(spec, ckpt, arena.clone()))
         }
         Some(budget) => {
             let opts = ExpertCacheOptions {
@@ -171,12 +191,14 @@ pub fn build<'c>(
         startup.push(g.startup_line());
         Box::new(g)
     } else {
-        planned += plan.global_bytes;
+        if arena.is_none() {
+            planned += plan.global_bytes;
+        }
         startup.push(format!(
             "embedding + lm_head: resident ({})",
             fmt_bytes(plan.global_bytes)
         ));
-        Box::new(ResidentGlobal::new(spec, ckpt).map_err(bind)?)
+        Box::new(ResidentGlobal::with_arena(spec, ckpt, arena.clone()).map_err(bind)?)
     };
     Ok(Session {
         providers: Providers {
@@ -187,6 +209,7 @@ pub fn build<'c>(
         startup,
         planned_bytes: planned,
         pinned_load_seconds,
+        resident_load_seconds,
     })
 }
 

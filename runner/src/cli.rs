@@ -117,6 +117,11 @@ pub struct MemArgs {
     /// I/O policy: direct (default), mmap, or a policy TOML file.
     #[arg(long)]
     pub io: Option<String>,
+    /// Where the resident weights live: mmap (default: the checkpoint's memory maps, page
+    /// cache) or arena (loaded at start into 2 MiB-page RAM with O_DIRECT reads; falls back to
+    /// mmap when it does not fit). Same bits either way. Default from K3_RESIDENT, else mmap.
+    #[arg(long, value_name = "mmap|arena")]
+    pub resident: Option<String>,
     /// Write every (layer, expert) request (expert_trace.bin) and a histogram here.
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
@@ -464,6 +469,15 @@ fn open_checkpoint(
     })
 }
 
+/// `--resident`, else `K3_RESIDENT`, else mmap.
+fn resident_mode(m: &MemArgs) -> Result<crate::resident::ResidentMode, Failure> {
+    match &m.resident {
+        Some(v) => crate::resident::ResidentMode::parse(v.trim()),
+        None => crate::resident::ResidentMode::from_env(),
+    }
+    .map_err(stream_failure)
+}
+
 fn stream_failure(e: crate::stream::StreamError) -> Failure {
     use crate::stream::StreamError;
     let code = match &e {
@@ -559,7 +573,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     // measured before the session allocates: afterwards its own pages count as used
     let mem_limit = crate::stream::plan::memory_limit();
     let mut session =
-        crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
+        crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
+            .map_err(stream_failure)?;
     eprintln!("memory plan:");
     for l in &session.startup {
         eprintln!("  {l}");
@@ -737,6 +752,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "prefill_seconds": res.prefill_seconds,
         "first_token_seconds": res.first_token_seconds,
         "pinned_load_seconds": session.pinned_load_seconds,
+        "resident_load_seconds": session.resident_load_seconds,
         "time_to_first_token_seconds": time_to_first_token,
         "seconds_per_token": res.seconds_per_token,
         "total_seconds": res.total_seconds,
@@ -809,7 +825,8 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let mem_limit = crate::stream::plan::memory_limit();
     let mut session =
-        crate::session::build(&spec, &ckpt, &plan, &settings).map_err(stream_failure)?;
+        crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
+            .map_err(stream_failure)?;
     for l in &session.startup {
         eprintln!("  {l}");
     }

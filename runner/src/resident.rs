@@ -121,7 +121,7 @@ impl ResidentMode {
             "mmap" => Ok(ResidentMode::Mmap),
             "arena" => Ok(ResidentMode::Arena),
             v => Err(StreamError::Config(format!(
-                "unknown resident mode {v:?} (from {RESIDENT_ENV}); expected mmap or arena"
+                "unknown resident mode {v:?} (--resident or {RESIDENT_ENV}); expected mmap or arena"
             ))),
         }
     }

@@ -437,3 +437,58 @@ fn unwritable_out_exits_3_after_the_run() {
     expect_fail(&o, 3, &["--dump-logits"]);
     assert!(stdout(&o).contains("generated ids:"));
 }
+
+#[test]
+fn resident_arena_flag_gives_the_reference_ids_and_bad_values_exit_2() {
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let s = summary_a();
+    let want = ids_of(&s["generated_ids"]);
+    let prompt = csv(&ids_of(&s["prompt_ids"]));
+    let tmp = tempfile::tempdir().unwrap();
+    let mut got = Vec::new();
+    for mode in ["mmap", "arena"] {
+        let out = tmp.path().join(format!("{mode}.json"));
+        let o = k3(&[
+            a,
+            "--ids",
+            &prompt,
+            "--gen",
+            &want.len().to_string(),
+            "--incremental",
+            "--resident",
+            mode,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code(&o), 0, "--resident {mode}: {}", stderr(&o));
+        let v: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        assert_eq!(ids_of(&v["generated_ids"]), want, "--resident {mode}");
+        let load = v["resident_load_seconds"]
+            .as_f64()
+            .expect("resident_load_seconds");
+        if mode == "arena" {
+            assert!(
+                stderr(&o).contains("resident weights:"),
+                "the arena load is reported: {}",
+                stderr(&o)
+            );
+            assert!(load > 0.0, "arena load time recorded");
+        } else {
+            assert_eq!(load, 0.0, "no arena with --resident mmap");
+        }
+        got.push(v["first_logits_hash"].clone());
+    }
+    assert_eq!(got[0], got[1], "same first-step logit bits");
+    let out = tmp.path().join("bad.json");
+    let o = k3(&[
+        a,
+        "--ids",
+        "1",
+        "--resident",
+        "ramdisk",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    expect_fail(&o, 2, &["ramdisk", "mmap or arena"]);
+}

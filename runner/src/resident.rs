@@ -312,15 +312,9 @@ impl TrunkSource for ResidentTrunk<'_> {
     }
 }
 
-/// The six MXFP4 roles of a routed expert, in [`ExpertWeights`] field order.
-const EXPERT_ROLES: [TensorRole; 6] = [
-    TensorRole::ExpertW1Packed,
-    TensorRole::ExpertW1Scale,
-    TensorRole::ExpertW3Packed,
-    TensorRole::ExpertW3Scale,
-    TensorRole::ExpertW2Packed,
-    TensorRole::ExpertW2Scale,
-];
+// The six MXFP4 roles of a routed expert, in `ExpertWeights` field order (the same order the
+// expert store reads them in).
+use crate::stream::experts::EXPERT_ROLES;
 
 /// One expert's bound tensors; `None` where the spec declares no such role (reported on use).
 type ExpertSlots<'c> = [Option<Src<'c>>; 6];

@@ -51,7 +51,7 @@ pub enum KernelError {
     ThreadPool {
         /// Requested number of threads.
         n_threads: usize,
-        /// The error reported by the OS.
+        /// The error reported by the OS / rayon.
         reason: String,
     },
 }

@@ -314,6 +314,13 @@ impl StreamedTrunk {
             leads.push(span.lead);
         }
         let mut bytes = 0u64;
+        // (address, length) of every buffer, in read order, for the populate helper.
+        let populate: Option<Vec<(usize, usize)>> =
+            (std::env::var_os("K3_NO_PIN_POPULATE").is_none()).then(|| {
+                bufs.iter()
+                    .map(|b| (b.full().as_ptr() as usize, b.capacity()))
+                    .collect()
+            });
         {
             let mut reqs = Vec::new();
             for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
@@ -345,7 +352,20 @@ impl StreamedTrunk {
                     });
                 }
             }
-            for r in self.pool.read_all(&mut reqs) {
+            // Fresh anonymous pages are zeroed by the kernel when first touched; an O_DIRECT
+            // read faults its target pages in before the device is asked, so the readers
+            // would stall on zeroing. A helper populates the buffers ahead of the reads
+            // (MADV_POPULATE_WRITE: allocates and zeroes pages not yet present, never changes
+            // a page that is; a reader that overtakes it faults its own pages as before).
+            let results = std::thread::scope(|sc| {
+                if populate.is_some() {
+                    let _ = std::thread::Builder::new()
+                        .name("k3-pin-populate".to_string())
+                        .spawn_scoped(sc, || populate_ahead(populate.as_deref().unwrap_or(&[])));
+                }
+                self.pool.read_all(&mut reqs)
+            });
+            for r in results {
                 r?;
             }
         }
@@ -810,5 +830,27 @@ impl TrunkSource for MmapTrunk {
 
     fn stats(&self) -> TrunkStats {
         self.stats.clone()
+    }
+}
+
+/// `madvise(MADV_POPULATE_WRITE)` over each region in 8 MiB steps, in order; stops quietly at
+/// the first refusal (older kernels: the readers then fault their pages themselves).
+fn populate_ahead(regions: &[(usize, usize)]) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    const STEP: usize = 8 << 20;
+    for &(addr, len) in regions {
+        let mut off = 0;
+        while off < len {
+            let n = STEP.min(len - off);
+            // SAFETY: the range lies inside a live anonymous mapping owned by the caller (the
+            // pinned buffers outlive the scope this runs in); POPULATE_WRITE only faults pages
+            // in and never changes the contents of a page already present.
+            let rc =
+                unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
+            if rc != 0 {
+                return;
+            }
+            off += n;
+        }
     }
 }

@@ -315,6 +315,17 @@ fn usize_of(n: u64, path: &Path) -> Result<usize, StreamError> {
     })
 }
 
+/// One read of [`read_extents`]: `len` bytes at `offset` of shard `shard` into the arena at
+/// `at` (`cap` = `len` rounded up to the I/O alignment).
+struct Piece {
+    extent: usize,
+    shard: usize,
+    offset: u64,
+    len: usize,
+    at: usize,
+    cap: usize,
+}
+
 /// Read every extent into its place in `buf`, `PIECE_BYTES` at a time, a batch of pieces in
 /// parallel. Returns the bytes read.
 fn read_extents(
@@ -325,14 +336,6 @@ fn read_extents(
     decls: &[&TensorDecl],
 ) -> Result<u64, StreamError> {
     // Pieces in arena order, each a disjoint &mut of the arena.
-    struct Piece {
-        extent: usize,
-        shard: usize,
-        offset: u64,
-        len: usize,
-        at: usize,
-        cap: usize,
-    }
     let mut pieces = Vec::new();
     for (extent, x) in extents.iter().enumerate() {
         let file = &files[x.shard];
@@ -365,6 +368,7 @@ fn read_extents(
     }
     bar.set_message("resident");
     let pool = ReadPool::new(opts.read_threads)?;
+    let region = (buf.full().as_ptr() as usize, buf.capacity());
     let mut reqs: Vec<ReadReq<'_>> = Vec::with_capacity(pieces.len());
     let mut rest: &mut [u8] = buf.full_mut();
     let mut pos = 0usize;
@@ -382,6 +386,30 @@ fn read_extents(
         });
     }
     let batch = (2 * pool.depth()).max(1);
+    // Zero the fresh pages ahead of the reads on a helper thread (see
+    // `stream::aligned::populate_ahead`): the readers would otherwise stall faulting them in.
+    std::thread::scope(|sc| -> Result<(), StreamError> {
+        if std::env::var_os("K3_NO_PIN_POPULATE").is_none() {
+            let _ = std::thread::Builder::new()
+                .name("k3-arena-populate".to_string())
+                .spawn_scoped(sc, || crate::stream::aligned::populate_ahead(&[region]));
+        }
+        load_pieces(&pool, &mut reqs, &pieces, batch, &bar, decls, extents)
+    })?;
+    bar.finish_and_clear();
+    Ok(total)
+}
+
+/// Read the pieces in batches of `batch`, checking every read landed where it was asked to.
+fn load_pieces(
+    pool: &ReadPool,
+    reqs: &mut [ReadReq<'_>],
+    pieces: &[Piece],
+    batch: usize,
+    bar: &indicatif::ProgressBar,
+    decls: &[&TensorDecl],
+    extents: &[Extent],
+) -> Result<(), StreamError> {
     for (chunk, pcs) in reqs.chunks_mut(batch).zip(pieces.chunks(batch)) {
         let results = pool.read_all(chunk);
         for ((r, req), p) in results.into_iter().zip(chunk.iter()).zip(pcs) {
@@ -401,8 +429,7 @@ fn read_extents(
             bar.inc(req.len as u64);
         }
     }
-    bar.finish_and_clear();
-    Ok(total)
+    Ok(())
 }
 
 /// After buffered reads: ask the kernel to drop the page-cache pages of what was read, so the

@@ -361,7 +361,9 @@ impl StreamedTrunk {
                 if populate.is_some() {
                     let _ = std::thread::Builder::new()
                         .name("k3-pin-populate".to_string())
-                        .spawn_scoped(sc, || populate_ahead(populate.as_deref().unwrap_or(&[])));
+                        .spawn_scoped(sc, || {
+                            super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
+                        });
                 }
                 self.pool.read_all(&mut reqs)
             });
@@ -830,27 +832,5 @@ impl TrunkSource for MmapTrunk {
 
     fn stats(&self) -> TrunkStats {
         self.stats.clone()
-    }
-}
-
-/// `madvise(MADV_POPULATE_WRITE)` over each region in 8 MiB steps, in order; stops quietly at
-/// the first refusal (older kernels: the readers then fault their pages themselves).
-fn populate_ahead(regions: &[(usize, usize)]) {
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    const STEP: usize = 8 << 20;
-    for &(addr, len) in regions {
-        let mut off = 0;
-        while off < len {
-            let n = STEP.min(len - off);
-            // SAFETY: the range lies inside a live anonymous mapping owned by the caller (the
-            // pinned buffers outlive the scope this runs in); POPULATE_WRITE only faults pages
-            // in and never changes the contents of a page already present.
-            let rc =
-                unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
-            if rc != 0 {
-                return;
-            }
-            off += n;
-        }
     }
 }

@@ -69,7 +69,7 @@ fn read_once(pool: &Pool, buf: &[u64]) -> f64 {
     let t = Instant::now();
     pool.for_each_chunk(&mut sink, 1, |i, s| {
         let end = buf.len().min((i + 1) * chunk);
-        s[0] = xor_reduce(&buf[i * chunk..end]);
+        s[0] = k3_kernels::membw::xor_reduce(&buf[i * chunk..end]);
     });
     let dt = t.elapsed().as_secs_f64();
     black_box(&sink);
@@ -98,36 +98,6 @@ impl Probe<'_> {
         self.next.set((i + 1) % 4);
         read_once(self.pool, &self.buf[i * win..(i + 1) * win])
     }
-}
-
-/// 8 independent accumulators of 4 u64 lanes: wide enough that the loads, not the ALU, limit.
-fn xor_reduce(v: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: avx2 was detected at run time.
-        return unsafe { xor_reduce_avx2(v) };
-    }
-    xor_reduce_plain(v)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn xor_reduce_avx2(v: &[u64]) -> u64 {
-    xor_reduce_plain(v)
-}
-
-#[inline(always)]
-fn xor_reduce_plain(v: &[u64]) -> u64 {
-    let mut acc = [0u64; 32];
-    let mut it = v.chunks_exact(32);
-    for c in &mut it {
-        for j in 0..32 {
-            acc[j] ^= c[j];
-        }
-    }
-    it.remainder()
-        .iter()
-        .fold(acc.iter().fold(0, |a, b| a ^ b), |a, b| a ^ b)
 }
 
 struct Row {

@@ -27,6 +27,7 @@ pub mod isa;
 pub mod kda;
 pub mod math;
 pub mod matvec;
+pub mod membw;
 pub mod ops;
 pub mod par;
 pub mod reduce;

@@ -608,36 +608,6 @@ fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String>
     })
 }
 
-/// 8 independent accumulators of 4 u64 lanes: wide enough that the loads, not the ALU, limit.
-#[inline(always)]
-fn xor_reduce_plain(v: &[u64]) -> u64 {
-    let mut acc = [0u64; 32];
-    let mut it = v.chunks_exact(32);
-    for c in &mut it {
-        for j in 0..32 {
-            acc[j] ^= c[j];
-        }
-    }
-    it.remainder()
-        .iter()
-        .fold(acc.iter().fold(0, |a, b| a ^ b), |a, b| a ^ b)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn xor_reduce_avx2(v: &[u64]) -> u64 {
-    xor_reduce_plain(v)
-}
-
-fn xor_reduce(v: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was detected at run time.
-        return unsafe { xor_reduce_avx2(v) };
-    }
-    xor_reduce_plain(v)
-}
-
 /// One streaming read of `buf` split over `threads` threads; bytes/s.
 fn read_once(buf: &[u64], threads: usize) -> f64 {
     let chunk = buf.len().div_ceil(threads.max(1));
@@ -645,7 +615,7 @@ fn read_once(buf: &[u64], threads: usize) -> f64 {
     let sink: u64 = std::thread::scope(|s| {
         let hs: Vec<_> = buf
             .chunks(chunk)
-            .map(|c| s.spawn(move || xor_reduce(c)))
+            .map(|c| s.spawn(move || k3_kernels::membw::xor_reduce(c)))
             .collect();
         hs.into_iter()
             .map(|h| h.join().unwrap_or(0))

@@ -107,6 +107,50 @@ fn buffered_policy_reads_the_same_bytes() {
     expect_bytes(&buf.full()[lead..lead + len], off);
 }
 
+/// Reads `ranges` of `f` as one batch on `pool` and checks every byte; then a batch of one good
+/// and one out-of-range read reports the error for that read only.
+fn check_batch_and_per_read_errors(pool: &ReadPool, f: &DirectFile, ranges: &[(u64, usize)]) {
+    let mut bufs: Vec<AlignedBuf> = ranges
+        .iter()
+        .map(|&(o, l)| AlignedBuf::new(f.span(o, l).len).expect("buffer"))
+        .collect();
+    let mut reqs: Vec<ReadReq<'_>> = ranges
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&(offset, len), b)| ReadReq {
+            file: f,
+            offset,
+            len,
+            buf: b.full_mut(),
+        })
+        .collect();
+    let leads = pool.read_all(&mut reqs);
+    drop(reqs);
+    for ((&(o, l), b), lead) in ranges.iter().zip(&bufs).zip(leads) {
+        let lead = lead.expect("batch read");
+        expect_bytes(&b.full()[lead..lead + l], o);
+    }
+    let mut b1 = AlignedBuf::new(8192).expect("buffer");
+    let mut b2 = AlignedBuf::new(8192).expect("buffer");
+    let mut reqs = vec![
+        ReadReq {
+            file: f,
+            offset: 100,
+            len: 10,
+            buf: b1.full_mut(),
+        },
+        ReadReq {
+            file: f,
+            offset: LEN,
+            len: 10,
+            buf: b2.full_mut(),
+        },
+    ];
+    let r = pool.read_all(&mut reqs);
+    assert!(r[0].is_ok(), "the good read of the pair: {:?}", r[0]);
+    assert!(r[1].is_err(), "the read past the end fails alone");
+}
+
 #[test]
 fn pool_reads_a_batch_in_parallel() {
     let path = test_file("pool.bin", LEN);
@@ -121,46 +165,7 @@ fn pool_reads_a_batch_in_parallel() {
             )
         })
         .collect();
-    let mut bufs: Vec<AlignedBuf> = ranges
-        .iter()
-        .map(|&(o, l)| AlignedBuf::new(f.span(o, l).len).expect("buffer"))
-        .collect();
-    let mut reqs: Vec<ReadReq<'_>> = ranges
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&(offset, len), b)| ReadReq {
-            file: &f,
-            offset,
-            len,
-            buf: b.full_mut(),
-        })
-        .collect();
-    let leads = pool.read_all(&mut reqs);
-    drop(reqs);
-    for ((&(o, l), b), lead) in ranges.iter().zip(&bufs).zip(leads) {
-        let lead = lead.expect("pool read");
-        expect_bytes(&b.full()[lead..lead + l], o);
-    }
-    // An error in one read is reported for that read only.
-    let mut b1 = AlignedBuf::new(8192).expect("buffer");
-    let mut b2 = AlignedBuf::new(8192).expect("buffer");
-    let mut reqs = vec![
-        ReadReq {
-            file: &f,
-            offset: 100,
-            len: 10,
-            buf: b1.full_mut(),
-        },
-        ReadReq {
-            file: &f,
-            offset: LEN,
-            len: 10,
-            buf: b2.full_mut(),
-        },
-    ];
-    let r = pool.read_all(&mut reqs);
-    assert!(r[0].is_ok());
-    assert!(r[1].is_err());
+    check_batch_and_per_read_errors(&pool, &f, &ranges);
 }
 
 #[test]
@@ -221,45 +226,8 @@ fn io_uring_pool_reads_the_same_bytes_or_falls_back() {
         })
         .chain([(LEN - 3, 3), (0, 4096), (4095, 2)])
         .collect();
-    let mut bufs: Vec<AlignedBuf> = ranges
-        .iter()
-        .map(|&(o, l)| AlignedBuf::new(f.span(o, l).len).expect("buffer"))
-        .collect();
-    let mut reqs: Vec<ReadReq<'_>> = ranges
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&(offset, len), b)| ReadReq {
-            file: &f,
-            offset,
-            len,
-            buf: b.full_mut(),
-        })
-        .collect();
-    let leads = pool.read_all(&mut reqs);
-    drop(reqs);
-    for ((&(o, l), b), lead) in ranges.iter().zip(&bufs).zip(leads) {
-        let lead = lead.expect("read");
-        expect_bytes(&b.full()[lead..lead + l], o);
-    }
     // Errors stay per read; split reads go through the same backend.
-    let mut b1 = AlignedBuf::new(8192).expect("buffer");
-    let mut b2 = AlignedBuf::new(8192).expect("buffer");
-    let mut reqs = vec![
-        ReadReq {
-            file: &f,
-            offset: 100,
-            len: 10,
-            buf: b1.full_mut(),
-        },
-        ReadReq {
-            file: &f,
-            offset: LEN,
-            len: 10,
-            buf: b2.full_mut(),
-        },
-    ];
-    let r = pool.read_all(&mut reqs);
-    assert!(r[0].is_ok() && r[1].is_err());
+    check_batch_and_per_read_errors(&pool, &f, &ranges);
     let (off, len) = (12_345u64, 2_000_001usize);
     let mut big = AlignedBuf::new(f.span(off, len).len).expect("buffer");
     let lead = pool

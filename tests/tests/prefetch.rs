@@ -21,6 +21,19 @@ fn dir() -> PathBuf {
 }
 
 /// Buffer bytes of one cached expert of `model` (the cache budget unit).
+/// The six tensors of one served expert, concatenated in field order.
+fn expert_bytes(e: &k3_run::weights::ExpertWeights<'_>) -> Vec<u8> {
+    [
+        e.w1_packed,
+        e.w1_scale,
+        e.w3_packed,
+        e.w3_scale,
+        e.w2_packed,
+        e.w2_scale,
+    ]
+    .concat()
+}
+
 fn expert_buf_bytes(model: &Path) -> u64 {
     let (spec, ckpt) = open_model(model);
     let c = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
@@ -147,34 +160,14 @@ fn prefetch_served_requests_are_not_resident_hits() {
         r.experts(l, &[1, 3, 7])
             .expect("resident")
             .iter()
-            .map(|e| {
-                [
-                    e.w1_packed,
-                    e.w1_scale,
-                    e.w3_packed,
-                    e.w3_scale,
-                    e.w2_packed,
-                    e.w2_scale,
-                ]
-                .concat()
-            })
+            .map(expert_bytes)
             .collect()
     };
     let got: Vec<Vec<u8>> = c
         .experts(l, &[1, 3, 7])
         .expect("served")
         .iter()
-        .map(|e| {
-            [
-                e.w1_packed,
-                e.w1_scale,
-                e.w3_packed,
-                e.w3_scale,
-                e.w2_packed,
-                e.w2_scale,
-            ]
-            .concat()
-        })
+        .map(expert_bytes)
         .collect();
     assert_eq!(
         got, want,
@@ -236,17 +229,6 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
     );
     let (s2, ck2) = open_model(&model);
     let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
-    let bytes_of = |e: &k3_run::weights::ExpertWeights<'_>| {
-        [
-            e.w1_packed,
-            e.w1_scale,
-            e.w3_packed,
-            e.w3_scale,
-            e.w2_packed,
-            e.w2_scale,
-        ]
-        .concat()
-    };
     for slots in [0u64, 1, 2, 3] {
         let mut c = ExpertCache::new(
             &spec,
@@ -279,13 +261,13 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
                     .experts(layer, &real)
                     .expect("served")
                     .iter()
-                    .map(|e| (e.expert, bytes_of(e)))
+                    .map(|e| (e.expert, expert_bytes(e)))
                     .collect();
                 let want: Vec<(usize, Vec<u8>)> = resident
                     .experts(layer, &real)
                     .expect("resident")
                     .iter()
-                    .map(|e| (e.expert, bytes_of(e)))
+                    .map(|e| (e.expert, expert_bytes(e)))
                     .collect();
                 assert_eq!(got, want, "{slots} slots, token {t}, layer {layer}");
             }

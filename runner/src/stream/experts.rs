@@ -342,50 +342,28 @@ impl<'c> ExpertStore<'c> {
         keys: &[ExpertKey],
         bufs: Vec<&mut AlignedBuf>,
     ) -> (Vec<Result<Layout, String>>, u64) {
-        let mut layouts: Vec<Result<Layout, String>> = Vec::with_capacity(keys.len());
-        let mut tagged: Vec<(usize, u16, u64, ReadReq<'_>)> = Vec::new();
-        let mut bytes = 0u64;
-        for (i, (key, buf)) in keys.iter().zip(bufs).enumerate() {
-            let Some(e) = self.entries.get(key) else {
-                layouts.push(Err(format!(
+        let mut layouts: Vec<Result<Layout, String>> = keys
+            .iter()
+            .map(|key| match self.entries.get(key) {
+                Some(e) => Ok(self.layout(e)),
+                None => Err(format!(
                     "routed expert {} of layer {} is not declared by the model",
                     key.1, key.0
-                )));
-                continue;
-            };
-            let lay = self.layout(e);
-            let mut rest: &mut [u8] = buf.full_mut();
-            let mut at = 0usize;
-            for r in &lay.runs {
-                let tail = std::mem::take(&mut rest);
-                let (_, tail) = tail.split_at_mut(r.buf_off - at);
-                let (mine, tail) = tail.split_at_mut(r.buf_len);
-                rest = tail;
-                at = r.buf_off + r.buf_len;
-                bytes += r.buf_len as u64;
-                tagged.push((
-                    i,
-                    r.file,
-                    r.offset,
-                    ReadReq {
-                        file: &self.files[r.file as usize],
-                        offset: r.offset,
-                        len: r.len,
-                        buf: mine,
-                    },
-                ));
+                )),
+            })
+            .collect();
+        let mut idx = Vec::with_capacity(keys.len());
+        let mut jobs = Vec::with_capacity(keys.len());
+        for (i, (lay, buf)) in layouts.iter().zip(bufs).enumerate() {
+            if let Ok(lay) = lay {
+                idx.push(i);
+                jobs.push((lay.runs.as_slice(), buf.full_mut()));
             }
-            layouts.push(Ok(lay));
         }
-        tagged.sort_by_key(|t| (t.1, t.2));
-        let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
-            tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
-        let results = self.pool.read_all(&mut reqs);
-        for (i, r) in tags.into_iter().zip(results) {
-            if let Err(e) = r
-                && layouts[i].is_ok()
-            {
-                layouts[i] = Err(e.to_string());
+        let (results, bytes) = read_runs(&self.files, &self.pool, jobs);
+        for (i, r) in idx.into_iter().zip(results) {
+            if let Err(e) = r {
+                layouts[i] = Err(e);
             }
         }
         (layouts, bytes)
@@ -487,49 +465,63 @@ fn read_owned(
     pool: &ReadPool,
     mut items: Vec<PrefetchItem>,
 ) -> (Vec<ReadOutcome>, u64) {
-    let mut results: Vec<Result<(), String>> = vec![Ok(()); items.len()];
+    let jobs = items
+        .iter_mut()
+        .map(|it| (it.layout.runs.as_slice(), it.buf.full_mut()))
+        .collect();
+    let (results, bytes) = read_runs(files, pool, jobs);
+    (items.into_iter().zip(results).collect(), bytes)
+}
+
+/// Read every job's runs into its buffer (each run at its `buf_off`): all runs issued
+/// together, sorted by (file, offset), on `pool`. Returns per job `Ok(())` or the first error
+/// message, and the bytes requested.
+fn read_runs(
+    files: &[DirectFile],
+    pool: &ReadPool,
+    jobs: Vec<(&[RunRead], &mut [u8])>,
+) -> (Vec<Result<(), String>>, u64) {
+    let mut results: Vec<Result<(), String>> = vec![Ok(()); jobs.len()];
     let mut bytes = 0u64;
-    {
-        let mut tagged: Vec<(usize, u16, u64, ReadReq<'_>)> = Vec::new();
-        for (i, it) in items.iter_mut().enumerate() {
-            let mut rest: &mut [u8] = it.buf.full_mut();
-            let mut at = 0usize;
-            for r in &it.layout.runs {
-                let tail = std::mem::take(&mut rest);
-                if r.buf_off < at || r.buf_off - at + r.buf_len > tail.len() {
-                    results[i] = Err("prefetch buffer too small (internal error)".to_string());
-                    break;
-                }
-                let (_, tail) = tail.split_at_mut(r.buf_off - at);
-                let (mine, tail) = tail.split_at_mut(r.buf_len);
-                rest = tail;
-                at = r.buf_off + r.buf_len;
-                bytes += r.buf_len as u64;
-                tagged.push((
-                    i,
-                    r.file,
-                    r.offset,
-                    ReadReq {
-                        file: &files[r.file as usize],
-                        offset: r.offset,
-                        len: r.len,
-                        buf: mine,
-                    },
-                ));
+    let mut tagged: Vec<(usize, u16, u64, ReadReq<'_>)> = Vec::new();
+    for (i, (runs, buf)) in jobs.into_iter().enumerate() {
+        let mut rest: &mut [u8] = buf;
+        let mut at = 0usize;
+        for r in runs {
+            let tail = std::mem::take(&mut rest);
+            if r.buf_off < at || r.buf_off - at + r.buf_len > tail.len() {
+                results[i] = Err("expert buffer too small (internal error)".to_string());
+                break;
             }
-        }
-        tagged.sort_by_key(|t| (t.1, t.2));
-        let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
-            tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
-        for (i, r) in tags.into_iter().zip(pool.read_all(&mut reqs)) {
-            if let Err(e) = r
-                && results[i].is_ok()
-            {
-                results[i] = Err(e.to_string());
-            }
+            let (_, tail) = tail.split_at_mut(r.buf_off - at);
+            let (mine, tail) = tail.split_at_mut(r.buf_len);
+            rest = tail;
+            at = r.buf_off + r.buf_len;
+            bytes += r.buf_len as u64;
+            tagged.push((
+                i,
+                r.file,
+                r.offset,
+                ReadReq {
+                    file: &files[r.file as usize],
+                    offset: r.offset,
+                    len: r.len,
+                    buf: mine,
+                },
+            ));
         }
     }
-    (items.into_iter().zip(results).collect(), bytes)
+    tagged.sort_by_key(|t| (t.1, t.2));
+    let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
+        tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
+    for (i, r) in tags.into_iter().zip(pool.read_all(&mut reqs)) {
+        if let Err(e) = r
+            && results[i].is_ok()
+        {
+            results[i] = Err(e.to_string());
+        }
+    }
+    (results, bytes)
 }
 
 /// Slot states of the cache.

@@ -172,6 +172,19 @@ fn view<'a>(decls: &'a [(TensorDecl, usize)], bytes: &'a [u8]) -> LayerWeights<'
     }
 }
 
+/// Read packed layer `layer` (`pl`) into `buf` in [`READ_PIECE`] pieces on `pool`; returns the
+/// lead offset of its first byte in `buf`.
+fn read_layer(
+    pool: &ReadPool,
+    file: &DirectFile,
+    pl: &super::pack::PackedLayer,
+    layer: usize,
+    buf: &mut [u8],
+) -> Result<usize, WeightError> {
+    pool.read_split(file, pl.offset, pl.size as usize, buf, READ_PIECE)
+        .map_err(|e| weight_err(layer, e))
+}
+
 fn weight_err(layer: usize, e: StreamError) -> WeightError {
     match e {
         StreamError::Io { path, source, .. } => WeightError::Io {
@@ -484,16 +497,7 @@ impl StreamedTrunk {
         *holds = None;
         let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
-        let lead = self
-            .pool
-            .read_split(
-                &self.file,
-                pl.offset,
-                pl.size as usize,
-                slot.full_mut(),
-                READ_PIECE,
-            )
-            .map_err(|e| weight_err(layer, e))?;
+        let lead = read_layer(&self.pool, &self.file, pl, layer, slot.full_mut())?;
         let secs = t0.elapsed().as_secs_f64();
         *holds = Some((layer, lead));
         self.stats.bytes_read += self.file.span(pl.offset, pl.size as usize).len as u64;
@@ -667,16 +671,7 @@ impl StreamedTrunk {
             msg: format!("cannot allocate the pinned buffer: {e}"),
         })?;
         self.huge_pages |= buf.huge_pages();
-        let lead = self
-            .pool
-            .read_split(
-                &self.file,
-                pl.offset,
-                pl.size as usize,
-                buf.full_mut(),
-                READ_PIECE,
-            )
-            .map_err(|e| weight_err(layer, e))?;
+        let lead = read_layer(&self.pool, &self.file, pl, layer, buf.full_mut())?;
         let secs = t0.elapsed().as_secs_f64();
         self.pinned_load_seconds += secs;
         self.stats.bytes_read += span.len as u64;

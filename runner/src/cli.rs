@@ -129,12 +129,31 @@ pub struct MemArgs {
     #[arg(long)]
     pub eviction_plugin: Option<PathBuf>,
     /// Speculative expert prefetch with a streamed expert cache: guess each MoE layer's
-    /// experts before its attention and read them meanwhile (`--expert-prefetch false`: off).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
-    pub expert_prefetch: Option<bool>,
+    /// top-(k + margin) experts ahead of its routing and read them meanwhile. `true` (or no
+    /// value): margin 1; a number: that margin; `false`: off.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL|MARGIN",
+          value_parser = parse_prefetch)]
+    pub expert_prefetch: Option<PrefetchArg>,
     /// Print the preset table and exit.
     #[arg(long)]
     pub list_presets: bool,
+}
+
+/// `--expert-prefetch` value: the guess margin, or `None` for off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefetchArg(pub Option<usize>);
+
+fn parse_prefetch(v: &str) -> Result<PrefetchArg, String> {
+    match v {
+        "true" | "on" => Ok(PrefetchArg(Some(crate::session::DEFAULT_PREFETCH_MARGIN))),
+        "false" | "off" => Ok(PrefetchArg(None)),
+        n => n
+            .parse::<usize>()
+            .ok()
+            .filter(|&m| m <= 4096)
+            .map(|m| PrefetchArg(Some(m)))
+            .ok_or_else(|| format!("expected true, false or a margin (0..=4096), got {n:?}")),
+    }
 }
 
 #[derive(Args, Debug)]
@@ -407,8 +426,7 @@ pub fn memory_settings(
         trace_experts: m.dump_cache_trace.is_some(),
         eviction_plugin: m.eviction_plugin.clone(),
         expert_prefetch: match m.expert_prefetch {
-            Some(true) => Some(crate::session::DEFAULT_PREFETCH_MARGIN),
-            Some(false) => None,
+            Some(PrefetchArg(margin)) => margin,
             None => crate::session::MemorySettings::default().expert_prefetch,
         },
     };

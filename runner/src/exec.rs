@@ -259,6 +259,8 @@ struct GuessScratch {
     logits: Vec<f32>,  // [E]
     ids: Vec<u32>,     // [E]
     weights: Vec<f32>, // [E]
+    /// The MoE layer the last look-ahead guess was for (its own pre-attention guess is skipped).
+    ahead_for: Option<usize>,
 }
 
 impl GuessScratch {
@@ -271,6 +273,7 @@ impl GuessScratch {
             logits: vec![0.0; b.n_experts],
             ids: vec![0; b.n_experts],
             weights: vec![0.0; b.n_experts],
+            ahead_for: None,
         }
     }
 }
@@ -445,8 +448,16 @@ impl<'s> Executor<'s> {
             blocks.clear();
         }
         self.s.has_partial = true;
+        // Look-ahead expert guesses (decode only: in a prompt chunk the next layer's input is
+        // known only after every token of the chunk went through this one).
+        let look_ahead = tokens.len() == 1 && w.experts.prefetch_margin().is_some();
         for l in 0..spec.n_layers {
-            let lw = w.trunk.layer(l)?;
+            let next_moe = (l + 1..spec.n_layers).find(|&n| spec.layers[n].ffn == FfnKind::Moe);
+            let (lw, next_lw) = match next_moe {
+                Some(n) if look_ahead => w.trunk.layer_and_peek(l, n)?,
+                _ => (w.trunk.layer(l)?, None),
+            };
+            let ahead = next_moe.zip(next_lw.as_ref());
             for t in 0..tokens.len() {
                 if t > 0 {
                     carries[t - 1].swap_with(&mut self.s);
@@ -454,6 +465,7 @@ impl<'s> Executor<'s> {
                 let r = self.layer(
                     l,
                     &lw,
+                    ahead,
                     &mut state.layers[l],
                     state.n_pos + t,
                     w.experts.as_mut(),
@@ -509,6 +521,7 @@ impl<'s> Executor<'s> {
         &mut self,
         l: usize,
         lw: &LayerWeights<'_>,
+        ahead: Option<(usize, &LayerWeights<'_>)>,
         st: &mut LayerState,
         pos: usize,
         experts: &mut dyn ExpertSource,
@@ -527,9 +540,13 @@ impl<'s> Executor<'s> {
         // with the post-attention norm) and let the expert source start reading the top
         // (k + margin) ids while the attention below computes. Own buffers only; the real
         // routing after attention decides.
-        if let (FfnKind::Moe, Some(margin)) = (layer.ffn, experts.prefetch_margin()) {
+        // Skipped when the previous MoE layer already guessed this one (look-ahead, below).
+        let margin = experts.prefetch_margin();
+        if let (FfnKind::Moe, Some(margin)) = (layer.ffn, margin) {
             let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
-            if let Some(n) = Self::guess_experts(spec, pool, &s.partial, g, lw, margin) {
+            if g.ahead_for.take() != Some(l)
+                && let Some(n) = Self::guess_experts(spec, pool, &s.partial, g, lw, margin)
+            {
                 experts.prefetch(l, &g.ids[..n]);
             }
         }
@@ -584,6 +601,17 @@ impl<'s> Executor<'s> {
         match layer.ffn {
             FfnKind::Dense => Self::dense(spec, pool, s, lw, l)?,
             FfnKind::Moe => {
+                // Look-ahead guess of the next MoE layer, from this layer's MoE input with
+                // the next layer's router (its weights are in RAM: pinned or resident), read
+                // after this layer's own misses while this layer's experts and the next
+                // layer's attention compute. Own buffers only; cannot change any bit.
+                if let (Some((nl, nlw)), Some(margin)) = (ahead, margin) {
+                    let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
+                    if let Some(n) = Self::guess_experts(spec, pool, &s.x, g, nlw, margin) {
+                        experts.prefetch_after_next(nl, &g.ids[..n]);
+                        g.ahead_for = Some(nl);
+                    }
+                }
                 Self::moe(spec, (pool, serial), s, lw, l, experts)?;
             }
         }
@@ -936,7 +964,7 @@ impl<'s> Executor<'s> {
         // alone, `experts()` runs on a scoped helper thread while the pool computes the rest.
         // Each output is computed by the same kernels on the same inputs either way, so the
         // bits do not depend on the overlap.
-        let overlap = experts.reads_block();
+        let may_block = experts.reads_block();
         // projections from xn: router logits [E] (f32), latent down z [latent], shared-expert
         // gate and up [ff * n_shared] -- in one dispatch when nothing overlaps
         let w_router = need(lw, l, TensorRole::Router)?;
@@ -970,7 +998,7 @@ impl<'s> Executor<'s> {
             }
             jobs
         }
-        if overlap {
+        if may_block {
             lin(pool, w_router, &s.xn, &mut s.router_logits[..ne]);
         } else {
             let mut jobs = vec![(w_router, &mut s.router_logits[..ne])];
@@ -1023,6 +1051,20 @@ impl<'s> Executor<'s> {
                 lin(pool, w, &ff_h[..sw], tmp_d);
             }
         };
+        // Overlap only when the routed experts are not all in RAM already.
+        let overlap = may_block && !experts.ready(l, &s.ids[..k]);
+        if may_block && !overlap {
+            let jobs = rest_jobs(
+                w_latent,
+                w_shared,
+                &mut s.z[..dz],
+                &mut s.ff_gate[..sw],
+                &mut s.ff_up[..sw],
+            );
+            if !jobs.is_empty() {
+                lin_batch(pool, &s.xn, jobs);
+            }
+        }
         let ews: Vec<ExpertWeights<'_>> = if overlap {
             let ids = &s.ids[..k];
             let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (

@@ -289,9 +289,10 @@ impl<'c> ResidentTrunk<'c> {
     }
 }
 
-impl TrunkSource for ResidentTrunk<'_> {
-    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+impl ResidentTrunk<'_> {
+    fn view_of(&self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
         let arena = self.arena.as_ref();
+
         let tensors = self
             .layers
             .get(layer)
@@ -306,6 +307,19 @@ impl TrunkSource for ResidentTrunk<'_> {
             })
             .collect();
         Ok(LayerWeights { tensors })
+    }
+}
+
+impl TrunkSource for ResidentTrunk<'_> {
+    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+        self.view_of(layer)
+    }
+    fn layer_and_peek(
+        &mut self,
+        layer: usize,
+        peek: usize,
+    ) -> Result<(LayerWeights<'_>, Option<LayerWeights<'_>>), WeightError> {
+        Ok((self.view_of(layer)?, self.view_of(peek).ok()))
     }
     fn stats(&self) -> TrunkStats {
         self.stats.clone()

@@ -40,13 +40,15 @@ pub struct MemorySettings {
     /// Expert-cache eviction policy plugin (a cdylib implementing the k3-plugin-abi vtable).
     pub eviction_plugin: Option<PathBuf>,
     /// Speculative expert prefetch (`--expert-prefetch`): `Some(margin)` makes the executor
-    /// guess the top-(k + margin) experts of each MoE layer before its attention and the cache
-    /// read them in the background. Only warms the cache; never changes a bit.
+    /// guess the top-(k + margin) experts of each MoE layer ahead of its routing (from the
+    /// previous MoE layer's input when the next layer's router is in RAM, else before the
+    /// layer's attention) and the cache read them in the background. Only warms the cache;
+    /// never changes a bit.
     pub expert_prefetch: Option<usize>,
 }
 
 /// Extra guessed experts per MoE layer when `--expert-prefetch` is on.
-pub const DEFAULT_PREFETCH_MARGIN: usize = 4;
+pub const DEFAULT_PREFETCH_MARGIN: usize = 1;
 
 impl Default for MemorySettings {
     fn default() -> Self {

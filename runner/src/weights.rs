@@ -136,6 +136,16 @@ pub trait TrunkSource: Send {
     /// The view is valid until the next call. Implementations may start reading the next
     /// layer in the background.
     fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError>;
+    /// Like [`TrunkSource::layer`], plus the view of layer `peek` when it is already in RAM
+    /// without a read (resident, or pinned and loaded); `None` otherwise (the default). Both
+    /// views are valid until the next call. Used for the executor's look-ahead expert guess.
+    fn layer_and_peek(
+        &mut self,
+        layer: usize,
+        _peek: usize,
+    ) -> Result<(LayerWeights<'_>, Option<LayerWeights<'_>>), WeightError> {
+        Ok((self.layer(layer)?, None))
+    }
     fn stats(&self) -> TrunkStats;
 }
 
@@ -155,6 +165,11 @@ pub trait ExpertSource: Send {
     /// Hint (non-binding): `ids` of `layer` will probably be requested soon; a provider may
     /// start reading them in the background. Never changes what `experts` returns.
     fn prefetch(&mut self, _layer: usize, _ids: &[u32]) {}
+    /// Like [`ExpertSource::prefetch`], but to be started only after the NEXT
+    /// [`ExpertSource::experts`] call has read its own misses (a look-ahead guess for a later
+    /// layer must not delay, or evict, the experts the current layer is about to ask for).
+    /// Default: nothing.
+    fn prefetch_after_next(&mut self, _layer: usize, _ids: &[u32]) {}
     /// `Some(margin)`: the provider wants a guess of the top-(k + margin) experts before each
     /// MoE layer (passed to [`ExpertSource::prefetch`]); `None`: no guesses (default).
     fn prefetch_margin(&self) -> Option<usize> {
@@ -165,6 +180,12 @@ pub trait ExpertSource: Send {
     /// experts (latent down-projection, shared experts). Default `false` (served from RAM).
     fn reads_block(&self) -> bool {
         false
+    }
+    /// `true` when an [`ExpertSource::experts`] call for these ids would be served from RAM
+    /// now, without waiting for a read (the executor then skips the overlap thread). Default:
+    /// `!reads_block()`.
+    fn ready(&mut self, _layer: usize, _ids: &[u32]) -> bool {
+        !self.reads_block()
     }
 }
 

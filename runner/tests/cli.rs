@@ -492,3 +492,60 @@ fn resident_arena_flag_gives_the_reference_ids_and_bad_values_exit_2() {
     ]);
     expect_fail(&o, 2, &["ramdisk", "mmap or arena"]);
 }
+
+#[test]
+fn expert_prefetch_takes_a_margin_and_keeps_the_reference_ids() {
+    let want = ids_of(&summary_a()["generated_ids"]);
+    // Resident trunk, experts streamed through a cache of a few layers' worth: the look-ahead
+    // guess (from the previous MoE layer) reads experts ahead; ids stay the reference's.
+    let mut counts = Vec::new();
+    for margin in ["0", "2", "true"] {
+        let (j, _, _) = run_a(
+            &[
+                "--incremental",
+                "--cache-gb",
+                "0.002",
+                "--expert-prefetch",
+                margin,
+            ],
+            &[],
+        );
+        assert_eq!(
+            ids_of(&j["generated_ids"]),
+            want,
+            "--expert-prefetch {margin}"
+        );
+        let pf = j["experts"]["prefetched"]
+            .as_u64()
+            .expect("experts.prefetched");
+        assert!(
+            pf > 0,
+            "--expert-prefetch {margin}: nothing prefetched: {j}"
+        );
+        counts.push(pf);
+    }
+    assert!(
+        counts[0] < counts[1],
+        "a larger margin guesses more: {counts:?}"
+    );
+    let (j, _, _) = run_a(
+        &[
+            "--incremental",
+            "--cache-gb",
+            "0.002",
+            "--expert-prefetch",
+            "false",
+        ],
+        &[],
+    );
+    assert_eq!(j["experts"]["prefetched"].as_u64(), Some(0));
+    let a = fixture_a();
+    let o = k3(&[
+        a.to_str().unwrap(),
+        "--ids",
+        "1",
+        "--expert-prefetch",
+        "maybe",
+    ]);
+    expect_fail(&o, 2, &["--expert-prefetch", "margin", "maybe"]);
+}

@@ -58,14 +58,28 @@ fn bits_identical(spec: &str, seed: u64) {
         ("3 layers' worth", 3 * k),
         ("everything", all),
     ] {
-        for pf in [None, Some(DEFAULT_PREFETCH_MARGIN)] {
+        // Trunk placements: ring slots (guesses before each layer's attention only), every
+        // layer pinned and resident (look-ahead guesses from the previous MoE layer).
+        for (trunk_label, pf, trunk_dir, trunk_budget) in [
+            ("ring", None, Some(trunk.clone()), None),
+            (
+                "ring",
+                Some(DEFAULT_PREFETCH_MARGIN),
+                Some(trunk.clone()),
+                None,
+            ),
+            ("pinned", Some(0), Some(trunk.clone()), Some(1 << 30)),
+            ("resident", Some(DEFAULT_PREFETCH_MARGIN), None, None),
+        ] {
             let m = MemorySettings {
-                trunk_dir: Some(trunk.clone()),
+                trunk_dir,
+                trunk_budget_bytes: trunk_budget,
                 cache_budget_bytes: Some(slots * per),
                 expert_prefetch: pf,
                 ..MemorySettings::default()
             };
             let (got, _, e) = run_with(&model, &m, &PROMPT, N_GEN, 2);
+            let label = format!("{label}, {trunk_label} trunk");
             assert_eq!(
                 got, want,
                 "{spec}: {label}, prefetch {pf:?}: output differs from resident"
@@ -292,4 +306,99 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
         assert_eq!(s.load_failures, 0);
         assert_eq!(s.prefetch_failures, 0);
     }
+}
+
+/// A look-ahead guess (`prefetch_after_next`) starts only after the next request has read its
+/// own misses, never evicts what that request uses, and serves the guessed layer's request
+/// without a second read.
+#[test]
+fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let next = (l + 1..spec.n_layers)
+        .find(|&n| spec.layers[n].ffn == k3_models::spec::FfnKind::Moe)
+        .expect("two MoE layers");
+    let per = expert_buf_bytes(&model);
+    // What reading each expert costs on its own (rounded-out runs differ by a few KB).
+    let cost = |layer: usize, id: u32| {
+        let mut c = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
+        c.experts(layer, &[id]).expect("read");
+        c.stats().bytes_read
+    };
+    let once: u64 = [
+        (l, 1),
+        (l, 2),
+        (l, 5),
+        (next, 0),
+        (next, 4),
+        (next, 6),
+        (next, 7),
+    ]
+    .iter()
+    .map(|&(layer, id)| cost(layer, id))
+    .sum();
+    let (s2, ck2) = open_model(&model);
+    let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+    // Room for exactly the current request (3) and the guess (3).
+    let mut c = ExpertCache::new(
+        &spec,
+        &ckpt,
+        &ExpertCacheOptions {
+            budget_bytes: 6 * per,
+            ..ExpertCacheOptions::default()
+        },
+    )
+    .expect("cache");
+    c.begin_token();
+    c.prefetch_after_next(next, &[0, 4, 6]);
+    assert_eq!(c.stats().prefetched, 0, "deferred until the next request");
+    assert!(
+        c.slot_states().is_empty(),
+        "nothing claimed before the request"
+    );
+    c.experts(l, &[1, 2, 5]).expect("served");
+    let s = c.stats();
+    assert_eq!(s.misses, 3, "the current request reads its own experts");
+    assert_eq!(s.prefetched, 3, "the guess starts after them");
+    let got: Vec<(usize, Vec<u8>)> = c
+        .experts(next, &[0, 4, 7])
+        .expect("served")
+        .iter()
+        .map(|e| (e.expert, expert_bytes(e)))
+        .collect();
+    let want: Vec<(usize, Vec<u8>)> = resident
+        .experts(next, &[0, 4, 7])
+        .expect("resident")
+        .iter()
+        .map(|e| (e.expert, expert_bytes(e)))
+        .collect();
+    assert_eq!(got, want, "guessed experts hold the checkpoint's bytes");
+    let s = c.stats();
+    assert_eq!(s.prefetch_hits, 2, "0 and 4 came from the guess");
+    assert_eq!(s.misses, 4, "7 was not guessed");
+    assert_eq!(s.prefetch_wasted, 1, "6 was guessed but not routed");
+    assert_eq!(s.guessed_requests, 3);
+    assert_eq!(s.guess_covered, 2);
+    assert_eq!(s.bytes_read, once, "every expert read once");
+    // A guess for a later layer never evicts an expert of the layers in between: with the
+    // cache full of layer `l`'s experts, a look-ahead guess for `next` issued after a request
+    // of an EARLIER layer finds no victim among `l`'s experts.
+    let mut c = ExpertCache::new(
+        &spec,
+        &ckpt,
+        &ExpertCacheOptions {
+            budget_bytes: 3 * per,
+            ..ExpertCacheOptions::default()
+        },
+    )
+    .expect("cache");
+    c.begin_token();
+    c.experts(l, &[1, 2, 3]).expect("served");
+    c.begin_token();
+    c.prefetch_after_next(next, &[0, 4, 6]);
+    c.experts(0, &[]).expect("an empty request of layer 0");
+    assert_eq!(c.stats().prefetched, 0, "layer {l}'s experts are protected");
+    c.experts(l, &[1, 2, 3]).expect("served");
+    assert_eq!(c.stats().resident_hits, 3, "all three still resident");
 }

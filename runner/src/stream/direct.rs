@@ -320,7 +320,7 @@ pub struct ReadReq<'a> {
 /// [`ReadPool::with_io_uring`], O_DIRECT batches go through one io_uring instead.
 #[derive(Debug)]
 pub struct ReadPool {
-    pool: rayon::ThreadPool,
+    pool: super::blocking::IoThreads,
     depth: usize,
     #[cfg(feature = "io-uring")]
     ring: Option<std::sync::Mutex<super::uring::Ring>>,
@@ -330,13 +330,9 @@ pub struct ReadPool {
 impl ReadPool {
     pub fn new(depth: usize) -> Result<Self, StreamError> {
         let depth = depth.max(1);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(depth)
-            .thread_name(|i| format!("k3-read-{i}"))
-            .build()
-            .map_err(|e| {
-                StreamError::Invalid(format!("cannot start {depth} reader threads: {e}"))
-            })?;
+        let pool = super::blocking::IoThreads::new(depth, "k3-read").map_err(|e| {
+            StreamError::Invalid(format!("cannot start {depth} reader threads: {e}"))
+        })?;
         Ok(Self {
             pool,
             depth,
@@ -463,6 +459,20 @@ impl ReadPool {
     /// Run every read, in parallel, issued in the given order (callers sort by disk offset);
     /// returns each read's lead offset (see [`DirectFile::read_into`]) or its error, in order.
     pub fn read_all(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<usize, StreamError>> {
+        self.read_all_with(reqs, false)
+    }
+
+    /// Like [`ReadPool::read_all`], but ahead of reads queued by other callers and not yet
+    /// started (a demand read the executor waits for, ahead of speculative prefetches).
+    pub fn read_all_first(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<usize, StreamError>> {
+        self.read_all_with(reqs, true)
+    }
+
+    fn read_all_with(
+        &self,
+        reqs: &mut [ReadReq<'_>],
+        first: bool,
+    ) -> Vec<Result<usize, StreamError>> {
         #[cfg(feature = "io-uring")]
         if let Some(ring) = &self.ring
             && reqs.len() > 1
@@ -477,13 +487,19 @@ impl ReadPool {
             let r = &mut reqs[0];
             results[0] = Some(r.file.read_into(r.offset, r.len, r.buf));
         } else {
-            self.pool.scope_fifo(|s| {
-                for (r, out) in reqs.iter_mut().zip(results.iter_mut()) {
-                    s.spawn_fifo(move |_| {
-                        *out = Some(r.file.read_into(r.offset, r.len, r.buf));
-                    });
-                }
-            });
+            let tasks = reqs
+                .iter_mut()
+                .zip(results.iter_mut())
+                .map(|(r, out)| {
+                    Box::new(move || *out = Some(r.file.read_into(r.offset, r.len, r.buf)))
+                        as Box<dyn FnOnce() + Send + '_>
+                })
+                .collect();
+            if first {
+                self.pool.run_first(tasks);
+            } else {
+                self.pool.run(tasks);
+            }
         }
         results
             .into_iter()

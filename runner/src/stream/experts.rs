@@ -360,7 +360,7 @@ impl<'c> ExpertStore<'c> {
                 jobs.push((lay.runs.as_slice(), buf.full_mut()));
             }
         }
-        let (results, bytes) = read_runs(&self.files, &self.pool, jobs);
+        let (results, bytes) = read_runs(&self.files, &self.pool, jobs, true);
         for (i, r) in idx.into_iter().zip(results) {
             if let Err(e) = r {
                 layouts[i] = Err(e);
@@ -414,8 +414,8 @@ struct Prefetcher {
     jobs: Option<mpsc::Sender<Vec<PrefetchItem>>>,
     done: mpsc::Receiver<PrefetchDone>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// Batches sent and not yet received back.
-    in_flight: usize,
+    /// The layers of the batches sent and not yet received back, in sending order.
+    in_flight: std::collections::VecDeque<usize>,
 }
 
 impl Prefetcher {
@@ -443,7 +443,7 @@ impl Prefetcher {
             jobs: Some(job_tx),
             done: done_rx,
             thread: Some(thread),
-            in_flight: 0,
+            in_flight: std::collections::VecDeque::new(),
         })
     }
 }
@@ -469,17 +469,18 @@ fn read_owned(
         .iter_mut()
         .map(|it| (it.layout.runs.as_slice(), it.buf.full_mut()))
         .collect();
-    let (results, bytes) = read_runs(files, pool, jobs);
+    let (results, bytes) = read_runs(files, pool, jobs, false);
     (items.into_iter().zip(results).collect(), bytes)
 }
 
 /// Read every job's runs into its buffer (each run at its `buf_off`): all runs issued
 /// together, sorted by (file, offset), on `pool`. Returns per job `Ok(())` or the first error
-/// message, and the bytes requested.
+/// message, and the bytes requested. `urgent`: ahead of other queued reads (demand misses).
 fn read_runs(
     files: &[DirectFile],
     pool: &ReadPool,
     jobs: Vec<(&[RunRead], &mut [u8])>,
+    urgent: bool,
 ) -> (Vec<Result<(), String>>, u64) {
     let mut results: Vec<Result<(), String>> = vec![Ok(()); jobs.len()];
     let mut bytes = 0u64;
@@ -514,7 +515,12 @@ fn read_runs(
     tagged.sort_by_key(|t| (t.1, t.2));
     let (tags, mut reqs): (Vec<usize>, Vec<ReadReq<'_>>) =
         tagged.into_iter().map(|(i, _, _, r)| (i, r)).unzip();
-    for (i, r) in tags.into_iter().zip(pool.read_all(&mut reqs)) {
+    let done = if urgent {
+        pool.read_all_first(&mut reqs)
+    } else {
+        pool.read_all(&mut reqs)
+    };
+    for (i, r) in tags.into_iter().zip(done) {
         if let Err(e) = r
             && results[i].is_ok()
         {
@@ -586,10 +592,14 @@ pub struct ExpertCache<'c> {
     prefetcher: Option<Prefetcher>,
     /// Why prefetching stopped (the thread could not start or died); prefetch is then a no-op.
     prefetch_off: Option<String>,
-    /// The last guess (layer, ids), to measure how much of the real routing it covered.
-    guess: Option<(usize, Vec<u32>)>,
+    /// The pending guesses (layer, ids), to measure how much of the real routing they covered.
+    guesses: Vec<(usize, Vec<u32>)>,
+    /// A look-ahead guess to start after the next `experts` call's own reads.
+    deferred: Option<(usize, Vec<u32>)>,
     /// Slots the last `experts` call served from (a prefetch never evicts them).
     last_slots: Vec<usize>,
+    /// The layer of the last `experts` call.
+    last_layer: Option<usize>,
     /// Expert buffers carved (huge-page regions) but not yet handed to a slot or scratch.
     spare: Vec<AlignedBuf>,
     /// Buffers carved so far (slots + scratch + spare).
@@ -649,8 +659,10 @@ impl<'c> ExpertCache<'c> {
             prefetch_margin: None,
             prefetcher: None,
             prefetch_off: None,
-            guess: None,
+            guesses: Vec::new(),
+            deferred: None,
             last_slots: Vec::new(),
+            last_layer: None,
             spare: Vec::new(),
             carved: 0,
         }
@@ -721,15 +733,17 @@ impl<'c> ExpertCache<'c> {
         }
     }
 
-    /// Collect finished prefetch batches; with `block`, wait until none is in flight.
-    fn poll_prefetches(&mut self, block: bool) {
+    /// Collect finished prefetch batches; with `until = Some(layer)`, wait until no batch for
+    /// `layer` or an earlier layer is in flight (look-ahead batches for later layers go on).
+    fn poll_prefetches(&mut self, until: Option<usize>) {
         loop {
             let Some(p) = self.prefetcher.as_mut() else {
                 return;
             };
-            if p.in_flight == 0 {
+            if p.in_flight.is_empty() {
                 return;
             }
+            let block = until.is_some_and(|l| p.in_flight.iter().any(|&b| b <= l));
             let got = if block {
                 let t0 = Instant::now();
                 let r = p.done.recv().map_err(|_| ());
@@ -747,7 +761,7 @@ impl<'c> ExpertCache<'c> {
             match got {
                 Ok(d) => {
                     if let Some(p) = self.prefetcher.as_mut() {
-                        p.in_flight -= 1;
+                        p.in_flight.pop_front();
                     }
                     self.finish_prefetch(d);
                 }
@@ -961,13 +975,13 @@ impl ExpertSource for ExpertCache<'_> {
         }
         // Every prefetch lands (or fails) before this call looks at the slots: no slot is in
         // flight below except this call's own misses, so nothing is read twice.
-        self.poll_prefetches(true);
-        if let Some((gl, g)) = self.guess.take()
-            && gl == layer
-        {
+        let deferred = self.deferred.take();
+        self.poll_prefetches(Some(layer));
+        if let Some(g) = self.guesses.iter().find(|(gl, _)| *gl == layer) {
             self.stats.guessed_requests += ids.len() as u64;
-            self.stats.guess_covered += ids.iter().filter(|id| g.contains(id)).count() as u64;
+            self.stats.guess_covered += ids.iter().filter(|id| g.1.contains(id)).count() as u64;
         }
+        self.guesses.retain(|(gl, _)| *gl > layer);
         self.stats.requests += ids.len() as u64;
         let mut places: Vec<Option<Place>> = vec![None; ids.len()];
         let mut protected: HashSet<usize> = HashSet::new();
@@ -1124,11 +1138,16 @@ impl ExpertSource for ExpertCache<'_> {
         if let Some(e) = first_err {
             return Err(e);
         }
+        self.last_layer = Some(layer);
         self.last_slots.clear();
         for p in &places {
             if let Some(Place::Slot(s)) = p {
                 self.last_slots.push(*s);
             }
+        }
+        // This layer's misses have landed: start the look-ahead guess (never evicts them).
+        if let Some((nl, next)) = deferred {
+            self.prefetch(nl, &next);
         }
         let mut out = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
@@ -1166,6 +1185,15 @@ impl ExpertSource for ExpertCache<'_> {
         true
     }
 
+    fn ready(&mut self, layer: usize, ids: &[u32]) -> bool {
+        self.poll_prefetches(None);
+        ids.iter().all(|&id| {
+            self.map
+                .get(&(layer, id as usize))
+                .is_some_and(|&s| self.slots[s].state == SlotState::Ready)
+        })
+    }
+
     fn prefetch_margin(&self) -> Option<usize> {
         if self.capacity == 0 || self.prefetch_off.is_some() {
             None
@@ -1174,12 +1202,17 @@ impl ExpertSource for ExpertCache<'_> {
         }
     }
 
+    fn prefetch_after_next(&mut self, layer: usize, ids: &[u32]) {
+        self.deferred = Some((layer, ids.to_vec()));
+    }
+
     fn prefetch(&mut self, layer: usize, ids: &[u32]) {
-        self.guess = Some((layer, ids.to_vec()));
+        self.guesses.retain(|(gl, _)| *gl != layer);
+        self.guesses.push((layer, ids.to_vec()));
         if self.capacity == 0 || self.prefetch_off.is_some() {
             return;
         }
-        self.poll_prefetches(false);
+        self.poll_prefetches(None);
         if self.prefetcher.is_none() {
             match Prefetcher::start(Arc::clone(&self.store.files), Arc::clone(&self.store.pool)) {
                 Ok(p) => self.prefetcher = Some(p),
@@ -1191,9 +1224,19 @@ impl ExpertSource for ExpertCache<'_> {
         }
         // Never evicted for a guess: what the last request used, other guesses still pending,
         // slots in flight, and guessed experts already resident.
+        // Nor experts of the layers between the last request and the guessed one: they may be
+        // asked for before the guessed layer (a look-ahead guess skips the current layer).
+        let upcoming = |k: usize| match self.last_layer {
+            Some(last) if last < layer => k > last && k <= layer,
+            Some(last) => k > last || k <= layer,
+            None => k <= layer,
+        };
         let mut protected: HashSet<usize> = self.last_slots.iter().copied().collect();
         for (i, slot) in self.slots.iter().enumerate() {
-            if slot.from_prefetch || slot.state != SlotState::Ready {
+            if slot.from_prefetch
+                || slot.state != SlotState::Ready
+                || slot.key.is_some_and(|k| upcoming(k.0))
+            {
                 protected.insert(i);
             }
         }
@@ -1248,7 +1291,7 @@ impl ExpertSource for ExpertCache<'_> {
             Ok(()) => {
                 self.stats.prefetched += n;
                 if let Some(p) = self.prefetcher.as_mut() {
-                    p.in_flight += 1;
+                    p.in_flight.push_back(layer);
                 }
             }
             Err(items) => {

@@ -11,6 +11,7 @@
 //! O_DIRECT, 2 MB pages, the one-slot fallback, the true resident hit rate).
 
 pub mod aligned;
+pub mod blocking;
 pub mod direct;
 pub mod experts;
 pub mod global;

@@ -682,8 +682,9 @@ impl StreamedTrunk {
     }
 }
 
-impl TrunkSource for StreamedTrunk {
-    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+impl StreamedTrunk {
+    /// Make `layer` resident (pinned load, ring read or wait) so [`Self::view_of`] finds it.
+    fn prepare(&mut self, layer: usize) -> Result<(), WeightError> {
         self.check_layer(layer)?;
         // The previous streamed view is dead now (trait contract): recycle its slot and keep
         // the reader busy while this layer computes.
@@ -704,7 +705,12 @@ impl TrunkSource for StreamedTrunk {
                 Ring::None => {}
             }
         }
-        let size = self.manifest.layers[layer].size as usize;
+        Ok(())
+    }
+
+    /// The view of `layer` if it is in RAM now (pinned and loaded, or the current ring slot).
+    fn view_of(&self, layer: usize) -> Option<LayerWeights<'_>> {
+        let size = self.manifest.layers.get(layer)?.size as usize;
         let decls = &self.decls[layer];
         let loaded = if self.plan.is_pinned(layer) {
             self.pinned[layer].as_ref().map(|l| (l.buf.full(), l.lead))
@@ -722,11 +728,38 @@ impl TrunkSource for StreamedTrunk {
                 _ => None,
             }
         };
-        let (buf, lead) = loaded.ok_or_else(|| WeightError::Invalid {
+        let (buf, lead) = loaded?;
+        Some(view(decls, &buf[lead..lead + size]))
+    }
+}
+
+impl TrunkSource for StreamedTrunk {
+    fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+        self.prepare(layer)?;
+        self.view_of(layer).ok_or_else(|| WeightError::Invalid {
+            name: format!("trunk layer {layer}"),
+            msg: "not resident after its read (internal error)".to_string(),
+        })
+    }
+
+    /// The peeked layer only when it is pinned and already loaded (never a ring slot: the
+    /// reader may be filling it).
+    fn layer_and_peek(
+        &mut self,
+        layer: usize,
+        peek: usize,
+    ) -> Result<(LayerWeights<'_>, Option<LayerWeights<'_>>), WeightError> {
+        self.prepare(layer)?;
+        let lw = self.view_of(layer).ok_or_else(|| WeightError::Invalid {
             name: format!("trunk layer {layer}"),
             msg: "not resident after its read (internal error)".to_string(),
         })?;
-        Ok(view(decls, &buf[lead..lead + size]))
+        let next = if peek < self.pinned.len() && self.pinned[peek].is_some() {
+            self.view_of(peek)
+        } else {
+            None
+        };
+        Ok((lw, next))
     }
 
     fn stats(&self) -> TrunkStats {

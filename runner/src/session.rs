@@ -45,7 +45,17 @@ pub struct MemorySettings {
     /// layer's attention) and the cache read them in the background. Only warms the cache;
     /// never changes a bit.
     pub expert_prefetch: Option<usize>,
+    /// With `expert_prefetch: None`: turn prefetch on anyway (margin
+    /// [`DEFAULT_PREFETCH_MARGIN`]) when the whole trunk is in RAM (resident or every layer
+    /// pinned: look-ahead guesses work and no trunk read competes for the disk) and the cache
+    /// holds at least [`AUTO_PREFETCH_LAYERS`] layers' worth of guesses. `--expert-prefetch
+    /// false` clears it.
+    pub expert_prefetch_auto: bool,
 }
+
+/// Layers' worth of guesses (k + margin experts each) the cache must hold for automatic
+/// prefetch: the layer being computed, the next layer's guess, and slack.
+pub const AUTO_PREFETCH_LAYERS: usize = 3;
 
 /// Extra guessed experts per MoE layer when `--expert-prefetch` is on.
 pub const DEFAULT_PREFETCH_MARGIN: usize = 1;
@@ -62,6 +72,7 @@ impl Default for MemorySettings {
             trace_experts: false,
             eviction_plugin: None,
             expert_prefetch: None,
+            expert_prefetch_auto: true,
         }
     }
 }
@@ -112,6 +123,8 @@ pub fn build_with<'c>(
     if let Some(a) = &arena {
         planned += a.stats().arena_bytes;
     }
+    // Whether the whole trunk is in RAM (no layer read per token): automatic prefetch.
+    let mut trunk_in_ram = m.trunk_dir.is_none();
     let trunk: Box<dyn crate::weights::TrunkSource + 'c> = match &m.trunk_dir {
         None => {
             startup.push(format!(
@@ -143,6 +156,7 @@ pub fn build_with<'c>(
                 startup.extend(t.startup_lines());
                 planned += t.plan().planned_bytes();
                 pinned_load_seconds = t.pinned_load_seconds();
+                trunk_in_ram = t.plan().pinned_layers == t.plan().n_layers;
                 Box::new(t)
             }
             TrunkIo::Mmap => {
@@ -171,7 +185,22 @@ pub fn build_with<'c>(
             if m.trace_experts {
                 c.enable_trace();
             }
-            c.set_prefetch_margin(m.expert_prefetch);
+            let k = spec.moe.as_ref().map_or(0, |p| p.n_experts_active);
+            let auto_margin = DEFAULT_PREFETCH_MARGIN;
+            let auto = m.expert_prefetch.is_none()
+                && m.expert_prefetch_auto
+                && trunk_in_ram
+                && k > 0
+                && c.capacity() >= AUTO_PREFETCH_LAYERS * (k + auto_margin);
+            if auto {
+                c.set_prefetch_margin(Some(auto_margin));
+                startup.push(format!(
+                    "expert prefetch: on (automatic: the trunk is in RAM and the cache holds >= {AUTO_PREFETCH_LAYERS} layers of top-{} guesses; --expert-prefetch false turns it off)",
+                    k + auto_margin
+                ));
+            } else {
+                c.set_prefetch_margin(m.expert_prefetch);
+            }
             if let Some(p) = &m.eviction_plugin {
                 let policy = crate::stream::plugin::load_eviction_plugin(p, c.capacity())?;
                 c.set_policy(Box::new(policy));

@@ -144,6 +144,20 @@ pub struct RunBits {
 
 /// Run `prompt` + `n_gen` greedy incremental tokens with the given memory settings.
 /// Returns the bits and the trunk/expert stats.
+/// Packed size of each layer of a packed trunk (from its trunk.json).
+pub fn trunk_layer_sizes(trunk: &Path) -> Vec<u64> {
+    let j: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(trunk.join("trunk.json")).expect("trunk.json"),
+    )
+    .expect("trunk.json is JSON");
+    j["layers"]
+        .as_array()
+        .expect("trunk.json has layers")
+        .iter()
+        .map(|l| l["size"].as_u64().expect("layer size"))
+        .collect()
+}
+
 pub fn run_with(
     model: &Path,
     settings: &k3_run::session::MemorySettings,

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use k3_conformance::{RunBits, run_with, synth_and_pack};
+use k3_conformance::{RunBits, run_with, synth_and_pack, trunk_layer_sizes};
 use k3_run::session::MemorySettings;
 use k3_run::stream::io_policy::IoPolicy;
 
@@ -16,19 +16,6 @@ const N_GEN: usize = 6;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("budgets")
-}
-
-fn trunk_layer_sizes(trunk: &std::path::Path) -> Vec<u64> {
-    let j: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(trunk.join("trunk.json")).expect("trunk.json"),
-    )
-    .expect("trunk.json is JSON");
-    j["layers"]
-        .as_array()
-        .expect("trunk.json has layers")
-        .iter()
-        .map(|l| l["size"].as_u64().expect("layer size"))
-        .collect()
 }
 
 fn check(name: &str, spec: &str, seed: u64) {

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use k3_conformance::{open_model, run_with, synth_and_pack};
+use k3_conformance::{open_model, run_with, synth_and_pack, trunk_layer_sizes};
 use k3_run::session::{DEFAULT_PREFETCH_MARGIN, MemorySettings};
 use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
 use k3_run::weights::ExpertSource;
@@ -48,6 +48,11 @@ fn bits_identical(spec: &str, seed: u64) {
     let moe = s.moe.as_ref().expect("synthetic K3 has MoE layers");
     let all = (moe.n_experts * s.n_layers) as u64;
     let k = moe.n_experts_active as u64;
+    let largest = trunk_layer_sizes(&trunk)
+        .into_iter()
+        .max()
+        .expect("layers")
+        .next_multiple_of(4096);
     for (label, slots) in [
         ("cache 0", 0),
         ("1 slot", 1),
@@ -58,26 +63,38 @@ fn bits_identical(spec: &str, seed: u64) {
         ("3 layers' worth", 3 * k),
         ("everything", all),
     ] {
-        // Trunk placements: ring slots (guesses before each layer's attention only), every
-        // layer pinned and resident (look-ahead guesses from the previous MoE layer).
-        for (trunk_label, pf, trunk_dir, trunk_budget) in [
-            ("ring", None, Some(trunk.clone()), None),
+        // Trunk placements: two ring slots (guesses before each layer's attention only), every
+        // layer pinned and resident (look-ahead guesses from the previous MoE layer; the
+        // automatic prefetch is on when the cache is large enough).
+        let ring = Some(2 * largest);
+        for (trunk_label, pf, auto, trunk_dir, trunk_budget) in [
+            ("ring", None, true, Some(trunk.clone()), ring),
             (
                 "ring",
                 Some(DEFAULT_PREFETCH_MARGIN),
+                true,
                 Some(trunk.clone()),
-                None,
+                ring,
             ),
-            ("pinned", Some(0), Some(trunk.clone()), Some(1 << 30)),
-            ("resident", Some(DEFAULT_PREFETCH_MARGIN), None, None),
+            ("pinned", None, false, Some(trunk.clone()), None),
+            ("pinned", Some(0), true, Some(trunk.clone()), None),
+            ("resident", Some(DEFAULT_PREFETCH_MARGIN), true, None, None),
+            ("resident", None, true, None, None),
         ] {
             let m = MemorySettings {
                 trunk_dir,
                 trunk_budget_bytes: trunk_budget,
                 cache_budget_bytes: Some(slots * per),
                 expert_prefetch: pf,
+                expert_prefetch_auto: auto,
                 ..MemorySettings::default()
             };
+            // The automatic prefetch: whole trunk in RAM and room for 3 layers of guesses.
+            let auto_on = pf.is_none()
+                && auto
+                && trunk_label != "ring"
+                && slots >= 3 * (k + DEFAULT_PREFETCH_MARGIN as u64);
+            let pf = pf.or(auto_on.then_some(DEFAULT_PREFETCH_MARGIN));
             let (got, _, e) = run_with(&model, &m, &PROMPT, N_GEN, 2);
             let label = format!("{label}, {trunk_label} trunk");
             assert_eq!(

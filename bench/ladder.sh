@@ -49,7 +49,8 @@ ring4     1     --trunk @TRUNK@ --trunk-gb 0.2 --trunk-ring 4 --cache-gb @LC@
 desktop   2     --trunk @TRUNK@ --trunk-gb @DT@ --cache-gb @DC@
 pinned    3.5   --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @LC@
 pinned-dc 3.5   --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@
-pinned-dc-prefetch 3.5 --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@ --expert-prefetch true
+pinned-dc-noprefetch 3.5 --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@ --expert-prefetch false
+pinned-dc-prefetch1 3.5 --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb @DC@ --expert-prefetch 1
 mmap      1     --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@
 mmap      1.5   --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@
 mmap      2     --io mmap --trunk @TRUNK@ --trunk-gb @LT@ --cache-gb @LC@

@@ -58,7 +58,7 @@ pub struct MemorySettings {
 pub const AUTO_PREFETCH_LAYERS: usize = 3;
 
 /// Extra guessed experts per MoE layer when `--expert-prefetch` is on.
-pub const DEFAULT_PREFETCH_MARGIN: usize = 1;
+pub const DEFAULT_PREFETCH_MARGIN: usize = 0;
 
 impl Default for MemorySettings {
     fn default() -> Self {

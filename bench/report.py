@@ -14,7 +14,7 @@ Owns the arithmetic of the floors (stdlib only, no numpy):
       touched = trunk (every layer) + active experts (plan: active_expert_bytes_per_layer x
       MoE layers) + lm_head and final norms (global_bytes minus the embedding table, of
       which one row is read)
-  overlap goal       = s/token / max(compute, expert I/O floor), compute = resident s/token
+  overlap goal       = s/token / max(compute, expert I/O floor), compute = fastest resident row's s/token
 Exits 1 when the generated ids differ between rows (they must be identical everywhere).
 """
 
@@ -130,8 +130,10 @@ def ladder(d):
         res[key] = e
 
     # floors and ratios
-    resident = [e for e in res.values() if e["name"] == "resident" and e.get("spt")]
-    compute = med(resident[0]["spt"]) if resident else None
+    # compute = the FASTEST resident row of the run (strictest: the resident rows of one ladder
+    # differ by up to 25% with their position in it)
+    resident = [e for e in res.values() if e["name"].startswith("resident") and e.get("spt")]
+    compute = min(med(e["spt"]) for e in resident) if resident else None
     for e in res.values():
         if not e.get("spt"):
             continue

@@ -419,3 +419,47 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
     c.experts(l, &[1, 2, 3]).expect("served");
     assert_eq!(c.stats().resident_hits, 3, "all three still resident");
 }
+
+/// `ready` is true only when every asked expert is in a ready slot (the executor then serves the
+/// layer without the overlap thread); a guess still being read is not ready until it lands.
+#[test]
+fn ready_only_when_every_expert_is_in_a_ready_slot() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let per = expert_buf_bytes(&model);
+    let mut c = ExpertCache::new(
+        &spec,
+        &ckpt,
+        &ExpertCacheOptions {
+            budget_bytes: 8 * per,
+            ..ExpertCacheOptions::default()
+        },
+    )
+    .expect("cache");
+    c.begin_token();
+    assert!(!c.ready(l, &[1, 2]), "nothing cached yet");
+    c.experts(l, &[1, 2]).expect("served");
+    assert!(c.ready(l, &[1, 2]));
+    assert!(c.ready(l, &[2]));
+    assert!(!c.ready(l, &[1, 2, 3]), "3 was never read");
+    assert!(
+        !c.ready(l + 1, &[1]),
+        "another layer's expert 1 is not layer {l}'s"
+    );
+    c.prefetch(l, &[3]);
+    // In flight or landed: `ready` reports it only once the read has finished.
+    let mut spins = 0;
+    while !c.ready(l, &[1, 2, 3]) {
+        spins += 1;
+        assert!(spins < 10_000, "a prefetched expert never became ready");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    c.experts(l, &[1, 2, 3]).expect("served");
+    let s = c.stats();
+    assert_eq!((s.misses, s.prefetch_hits), (2, 1), "{s:?}");
+    // A cache without room serves from scratch: never ready.
+    let mut none = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
+    none.experts(l, &[1]).expect("served");
+    assert!(!none.ready(l, &[1]), "budget 0 keeps nothing");
+}

@@ -261,6 +261,9 @@ struct GuessScratch {
     weights: Vec<f32>, // [E]
     /// The MoE layer the last look-ahead guess was for (its own pre-attention guess is skipped).
     ahead_for: Option<usize>,
+    q: Vec<f32>,   // [d_model] pseudo-query of the next layer's MLP AttnRes
+    mix: Vec<f32>, // [d_model] estimated next MoE input
+    rl: Vec<f32>,  // [AttnRes sources]
 }
 
 impl GuessScratch {
@@ -274,6 +277,9 @@ impl GuessScratch {
             ids: vec![0; b.n_experts],
             weights: vec![0.0; b.n_experts],
             ahead_for: None,
+            q: vec![0.0; b.d_model],
+            mix: vec![0.0; b.d_model],
+            rl: vec![0.0; b.max_attn_res_sources + 1],
         }
     }
 }
@@ -607,7 +613,18 @@ impl<'s> Executor<'s> {
                 // layer's attention compute. Own buffers only; cannot change any bit.
                 if let (Some((nl, nlw)), Some(margin)) = (ahead, margin) {
                     let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
-                    if let Some(n) = Self::guess_experts(spec, pool, &s.x, g, nlw, margin) {
+                    // The next layer's MoE input, estimated: its AttnRes mix (its own
+                    // pseudo-query) of the blocks and the current partial sum (the next
+                    // attention's output is not known yet); without AttnRes, this layer's
+                    // MoE input. 95% of routed ids at margin 0 on k3-mini vs 89% with this
+                    // layer's own mix.
+                    let mut src = std::mem::take(&mut g.mix);
+                    if !Self::estimate_next_moe_input(spec, s, g, nlw, &mut src) {
+                        src.copy_from_slice(&s.x);
+                    }
+                    let guessed = Self::guess_experts(spec, pool, &src, g, nlw, margin);
+                    g.mix = src;
+                    if let Some(n) = guessed {
                         experts.prefetch_after_next(nl, &g.ids[..n]);
                         g.ahead_for = Some(nl);
                     }
@@ -617,6 +634,47 @@ impl<'s> Executor<'s> {
         }
         ops::add_inplace(&mut s.partial, &s.mlp_out);
         Ok(())
+    }
+
+    /// `out` = AttnRes(blocks ∪ {partial}) with the pseudo-query (MLP res proj ⊙ norm) of the
+    /// layer `nlw` belongs to: the input its MoE would see if its attention added nothing.
+    /// `false` (and `out` untouched) without AttnRes or when a tensor is missing.
+    fn estimate_next_moe_input(
+        spec: &ModelSpec,
+        s: &Scratch,
+        g: &mut GuessScratch,
+        nlw: &LayerWeights<'_>,
+        out: &mut [f32],
+    ) -> bool {
+        let (Some(ar), Some(proj), Some(norm)) = (
+            spec.attn_res.as_ref(),
+            nlw.get(TensorRole::MlpResProj),
+            nlw.get(TensorRole::MlpResNorm),
+        ) else {
+            return false;
+        };
+        let d = out.len();
+        if [proj, norm].iter().any(|t| t.decl.n_elements() != d)
+            || g.norm.len() < d
+            || g.bias.len() < d
+        {
+            return false;
+        }
+        widen(proj, &mut g.norm);
+        widen(norm, &mut g.bias);
+        for i in 0..d {
+            g.q[i] = g.norm[i] * g.bias[i];
+        }
+        let mut sources: Vec<&[f32]> = s.blocks.iter().map(|b| b.as_slice()).collect();
+        if s.has_partial {
+            sources.push(&s.partial);
+        }
+        let n = sources.len();
+        if n == 0 || n > g.rl.len() {
+            return false;
+        }
+        attnres::attnres_mix(&sources, &g.q[..d], ar.eps, &mut g.rl[..n], out);
+        true
     }
 
     /// The expert-prefetch guess of layer `l`: top-(k + margin) ids (ascending) of the layer's

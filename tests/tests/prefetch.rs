@@ -117,6 +117,13 @@ fn bits_identical(spec: &str, seed: u64) {
                     e.prefetch_hits > 0,
                     "{spec}: {label}: no request was served by a prefetch: {e:?}"
                 );
+                // Guesses made with the right layer's router on a sensible input cover most
+                // routed ids (random guesses would cover about k / n_experts).
+                assert!(
+                    e.guess_accuracy() >= 0.8,
+                    "{spec}: {label}: guesses covered only {:.2} of the routed ids: {e:?}",
+                    e.guess_accuracy()
+                );
             }
             println!(
                 "{spec}: {label}, prefetch {pf:?}: req {} hits {} resident {} misses {} prefetched {} served {} wasted {} guess {:.2} -> identical",

@@ -542,18 +542,25 @@ impl<'s> Executor<'s> {
             &mut self.guess,
         );
         // ---- expert prefetch guess (speculative; cannot change any bit) ----
-        // Route with this layer's router on the current residual (rmsnorm of the partial sum
-        // with the post-attention norm) and let the expert source start reading the top
-        // (k + margin) ids while the attention below computes. Own buffers only; the real
-        // routing after attention decides.
+        // Route with this layer's router on an estimate of its MoE input (below) and let the
+        // expert source start reading the top (k + margin) ids while the attention computes.
+        // Own buffers only; the real routing after attention decides.
         // Skipped when the previous MoE layer already guessed this one (look-ahead, below).
         let margin = experts.prefetch_margin();
         if let (FfnKind::Moe, Some(margin)) = (layer.ffn, margin) {
             let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
-            if g.ahead_for.take() != Some(l)
-                && let Some(n) = Self::guess_experts(spec, pool, &s.partial, g, lw, margin)
-            {
-                experts.prefetch(l, &g.ids[..n]);
+            if g.ahead_for.take() != Some(l) {
+                // This layer's MoE input as if its attention added nothing (its own AttnRes
+                // mix), or the residual stream without AttnRes.
+                let mut src = std::mem::take(&mut g.mix);
+                if !Self::estimate_next_moe_input(spec, s, g, lw, &mut src) {
+                    src.copy_from_slice(&s.partial);
+                }
+                let guessed = Self::guess_experts(spec, pool, &src, g, lw, margin);
+                g.mix = src;
+                if let Some(n) = guessed {
+                    experts.prefetch(l, &g.ids[..n]);
+                }
             }
         }
         // ---- end expert prefetch guess ----

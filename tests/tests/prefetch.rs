@@ -64,8 +64,8 @@ fn bits_identical(spec: &str, seed: u64) {
         ("everything", all),
     ] {
         // Trunk placements: two ring slots (guesses before each layer's attention only), every
-        // layer pinned and resident (look-ahead guesses from the previous MoE layer; the
-        // automatic prefetch is on when the cache is large enough).
+        // layer pinned and resident (look-ahead guesses from the previous MoE layer). With
+        // `expert_prefetch: None` the automatic prefetch is on when the cache is large enough.
         let ring = Some(2 * largest);
         for (trunk_label, pf, auto, trunk_dir, trunk_budget) in [
             ("ring", None, true, Some(trunk.clone()), ring),
@@ -89,11 +89,8 @@ fn bits_identical(spec: &str, seed: u64) {
                 expert_prefetch_auto: auto,
                 ..MemorySettings::default()
             };
-            // The automatic prefetch: whole trunk in RAM and room for 3 layers of guesses.
-            let auto_on = pf.is_none()
-                && auto
-                && trunk_label != "ring"
-                && slots >= 3 * (k + DEFAULT_PREFETCH_MARGIN as u64);
+            // The automatic prefetch: room for 3 layers of guesses.
+            let auto_on = pf.is_none() && auto && slots >= 3 * (k + DEFAULT_PREFETCH_MARGIN as u64);
             let pf = pf.or(auto_on.then_some(DEFAULT_PREFETCH_MARGIN));
             let (got, _, e) = run_with(&model, &m, &PROMPT, N_GEN, 2);
             let label = format!("{label}, {trunk_label} trunk");

@@ -207,7 +207,8 @@ pub fn build_with<'c>(
                 c.set_policy(Box::new(policy));
             }
             startup.push(c.startup_line());
-            planned += budget;
+            // A budget above every expert of the model is never allocated.
+            planned += budget.min(c.capacity() as u64 * c.store().expert_buf_bytes() as u64);
             Box::new(c)
         }
     };

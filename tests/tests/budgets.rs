@@ -142,3 +142,37 @@ fn different_model_gives_different_bits() {
     assert_ne!(ra.first_logits_hash, rb.first_logits_hash);
     let _: RunBits = ra;
 }
+
+/// A cache budget larger than every expert of the model is planned at what the cache can use
+/// (its capacity), not at the budget: otherwise `--preset workstation` (30 GB of cache) on a
+/// small model is refused by the up-front state check although it fits.
+#[test]
+fn cache_budget_above_the_model_is_planned_at_its_capacity() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = k3_conformance::open_model(&model);
+    let plan = k3_run::plan::Plan::new(&spec, 8);
+    let planned = |cache: u64| {
+        let m = MemorySettings {
+            cache_budget_bytes: Some(cache),
+            ..MemorySettings::default()
+        };
+        k3_run::session::build(&spec, &ckpt, &plan, &m)
+            .expect("providers build")
+            .planned_bytes
+    };
+    let huge = 1u64 << 40;
+    let all_experts = planned(huge);
+    assert!(
+        all_experts < 1 << 30,
+        "a 1 TB budget on a tiny model planned {all_experts} bytes"
+    );
+    assert_eq!(
+        planned(huge / 2),
+        all_experts,
+        "any budget above the model plans the same"
+    );
+    assert!(
+        planned(0) < all_experts,
+        "a budget of 0 plans no cache bytes"
+    );
+}

@@ -24,6 +24,7 @@ use k3_models::spec::{
 };
 
 use crate::plan::Plan;
+use crate::stream::blocking::IoThreads;
 use crate::weights::{
     ExpertSource, ExpertWeights, GlobalSource, LayerWeights, TensorBytes, TrunkSource, WeightError,
 };
@@ -245,6 +246,10 @@ pub struct Executor<'s> {
     pool: Pool,
     /// A one-thread pool for work already inside a parallel task (per-expert matvecs).
     serial: Pool,
+    /// The thread that fetches a layer's routed experts from a provider whose reads block,
+    /// while the pool computes the work that does not need them (one thread for the
+    /// executor's life instead of one per MoE layer: a spawn + join costs ~60 us).
+    fetch: std::io::Result<IoThreads>,
     s: Scratch,
     /// Expert-prefetch guess buffers (allocated on first use; never read by the real path).
     guess: Option<GuessScratch>,
@@ -379,6 +384,7 @@ impl<'s> Executor<'s> {
             plan,
             pool: Pool::new(n_threads),
             serial: Pool::new(1),
+            fetch: IoThreads::new(1, "k3-expert-fetch"),
             s,
             guess: None,
         }
@@ -534,9 +540,10 @@ impl<'s> Executor<'s> {
     ) -> Result<(), ExecError> {
         let spec = self.spec;
         let layer = spec.layers[l];
-        let (pool, serial, plan, s, guess) = (
+        let (pool, serial, fetch, plan, s, guess) = (
             &self.pool,
             &self.serial,
+            &self.fetch,
             &self.plan,
             &mut self.s,
             &mut self.guess,
@@ -636,7 +643,7 @@ impl<'s> Executor<'s> {
                         g.ahead_for = Some(nl);
                     }
                 }
-                Self::moe(spec, (pool, serial), s, lw, l, experts)?;
+                Self::moe(spec, (pool, serial, fetch), s, lw, l, experts)?;
             }
         }
         ops::add_inplace(&mut s.partial, &s.mlp_out);
@@ -1011,7 +1018,7 @@ impl<'s> Executor<'s> {
     /// Latent MoE with shared experts: `s.xn` in, `s.mlp_out` out.
     fn moe(
         spec: &ModelSpec,
-        (pool, serial): (&Pool, &Pool),
+        (pool, serial, fetch): (&Pool, &Pool, &std::io::Result<IoThreads>),
         s: &mut Scratch,
         lw: &LayerWeights<'_>,
         l: usize,
@@ -1140,30 +1147,29 @@ impl<'s> Executor<'s> {
                 &mut s.ff_h,
                 &mut s.tmp_d,
             );
-            std::thread::scope(|sc| {
-                let fetch = std::thread::Builder::new()
-                    .name("k3-expert-fetch".to_string())
-                    .spawn_scoped(sc, move || experts.experts(l, ids));
-                match fetch {
-                    Ok(h) => {
-                        let jobs = rest_jobs(
-                            w_latent,
-                            w_shared,
-                            &mut z[..dz],
-                            &mut ff_gate[..sw],
-                            &mut ff_up[..sw],
-                        );
-                        if !jobs.is_empty() {
-                            lin_batch(pool, xn, jobs);
-                        }
-                        shared(ff_gate, ff_up, ff_h, tmp_d);
-                        h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
-                    }
-                    Err(e) => Err(WeightError::Invalid {
-                        name: format!("routed experts of layer {l}"),
-                        msg: format!("cannot start the expert fetch thread: {e}"),
-                    }),
+            let fetcher = fetch.as_ref().map_err(|e| WeightError::Invalid {
+                name: format!("routed experts of layer {l}"),
+                msg: format!("cannot start the expert fetch thread: {e}"),
+            })?;
+            let mut got = None;
+            fetcher.run_alongside(Box::new(|| got = Some(experts.experts(l, ids))), || {
+                let jobs = rest_jobs(
+                    w_latent,
+                    w_shared,
+                    &mut z[..dz],
+                    &mut ff_gate[..sw],
+                    &mut ff_up[..sw],
+                );
+                if !jobs.is_empty() {
+                    lin_batch(pool, xn, jobs);
                 }
+                shared(ff_gate, ff_up, ff_h, tmp_d);
+            });
+            got.unwrap_or_else(|| {
+                Err(WeightError::Invalid {
+                    name: format!("routed experts of layer {l}"),
+                    msg: "the expert fetch panicked (internal error)".to_string(),
+                })
             })?
         } else {
             shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);

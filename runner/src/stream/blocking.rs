@@ -107,6 +107,36 @@ impl IoThreads {
         self.run_with(tasks, true);
     }
 
+    /// Run `task` on one of the threads while `f` runs on the calling thread; returns `f`'s
+    /// result once BOTH have finished (also when `f` panics: the task is waited for before the
+    /// panic continues). A panicking task is caught; the caller sees whatever it left unset.
+    pub fn run_alongside<'a, R>(
+        &self,
+        task: Box<dyn FnOnce() + Send + 'a>,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        let done = Arc::new(Done::default());
+        let d = Arc::clone(&done);
+        let w: Box<dyn FnOnce() + Send + 'a> = Box::new(move || {
+            let _ = catch_unwind(AssertUnwindSafe(task));
+            d.finish_one();
+        });
+        // SAFETY: as in `run_with`: the task is queued below, and `_wait` (dropped when this
+        // function returns or unwinds, after the task was queued) blocks until it has called
+        // `finish_one`, so nothing it borrows for `'a` is used after this function returns.
+        let w = unsafe { std::mem::transmute::<Box<dyn FnOnce() + Send + 'a>, Task>(w) };
+        struct WaitOne<'d>(&'d Done);
+        impl Drop for WaitOne<'_> {
+            fn drop(&mut self) {
+                self.0.wait_for(1);
+            }
+        }
+        lock(&self.shared.queue).tasks.push_back(w);
+        let _wait = WaitOne(&done);
+        self.shared.ready.notify_one();
+        f()
+    }
+
     fn run_with<'a>(&self, tasks: Vec<Box<dyn FnOnce() + Send + 'a>>, front: bool) {
         let n = tasks.len();
         if n == 0 {
@@ -237,6 +267,32 @@ mod tests {
             .collect();
         pool.run(tasks);
         assert_eq!(again.load(Ordering::SeqCst), 8);
+    }
+
+    #[test]
+    fn run_alongside_runs_both_and_waits_for_the_task() {
+        let pool = IoThreads::new(1, "t").expect("threads start");
+        for _ in 0..20 {
+            let mut got = None;
+            let caller = pool.run_alongside(
+                Box::new(|| {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    got = Some(std::thread::current().name().map(str::to_string));
+                }),
+                || 7,
+            );
+            assert_eq!(caller, 7);
+            assert_eq!(
+                got,
+                Some(Some("t-0".to_string())),
+                "ran on the pool's thread"
+            );
+        }
+        // A panicking task leaves its output unset and the thread serves the next one.
+        let mut got: Option<u32> = None;
+        pool.run_alongside(Box::new(|| panic!("on purpose")), || ());
+        pool.run_alongside(Box::new(|| got = Some(1)), || ());
+        assert_eq!(got, Some(1));
     }
 
     #[test]

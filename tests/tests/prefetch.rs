@@ -34,6 +34,23 @@ fn expert_bytes(e: &k3_run::weights::ExpertWeights<'_>) -> Vec<u8> {
     .concat()
 }
 
+/// A streamed expert cache of `budget` bytes over `ckpt`.
+fn cache_with<'c>(
+    spec: &'c k3_models::spec::ModelSpec,
+    ckpt: &k3_run::checkpoint::Checkpoint,
+    budget: u64,
+) -> ExpertCache<'c> {
+    ExpertCache::new(
+        spec,
+        ckpt,
+        &ExpertCacheOptions {
+            budget_bytes: budget,
+            ..ExpertCacheOptions::default()
+        },
+    )
+    .expect("cache")
+}
+
 fn expert_buf_bytes(model: &Path) -> u64 {
     let (spec, ckpt) = open_model(model);
     let c = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
@@ -180,15 +197,7 @@ fn prefetch_served_requests_are_not_resident_hits() {
     let l = moe_layer(&spec);
     let per = expert_buf_bytes(&model);
     let one = bytes_per_read(&spec, &ckpt, l);
-    let mut c = ExpertCache::new(
-        &spec,
-        &ckpt,
-        &ExpertCacheOptions {
-            budget_bytes: 8 * per,
-            ..ExpertCacheOptions::default()
-        },
-    )
-    .expect("cache");
+    let mut c = cache_with(&spec, &ckpt, 8 * per);
     // Token 1: guess {1, 2, 3}; routing picks {1, 3, 7}.
     c.begin_token();
     c.prefetch(l, &[1, 2, 3]);
@@ -268,15 +277,7 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
     let (s2, ck2) = open_model(&model);
     let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
     for slots in [0u64, 1, 2, 3] {
-        let mut c = ExpertCache::new(
-            &spec,
-            &ckpt,
-            &ExpertCacheOptions {
-                budget_bytes: slots * per,
-                ..ExpertCacheOptions::default()
-            },
-        )
-        .expect("cache");
+        let mut c = cache_with(&spec, &ckpt, slots * per);
         c.set_prefetch_margin(Some(DEFAULT_PREFETCH_MARGIN));
         assert_eq!(
             c.prefetch_margin().is_some(),
@@ -365,15 +366,7 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
     let (s2, ck2) = open_model(&model);
     let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
     // Room for exactly the current request (3) and the guess (3).
-    let mut c = ExpertCache::new(
-        &spec,
-        &ckpt,
-        &ExpertCacheOptions {
-            budget_bytes: 6 * per,
-            ..ExpertCacheOptions::default()
-        },
-    )
-    .expect("cache");
+    let mut c = cache_with(&spec, &ckpt, 6 * per);
     c.begin_token();
     c.prefetch_after_next(next, &[0, 4, 6]);
     assert_eq!(c.stats().prefetched, 0, "deferred until the next request");
@@ -408,15 +401,7 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
     // A guess for a later layer never evicts an expert of the layers in between: with the
     // cache full of layer `l`'s experts, a look-ahead guess for `next` issued after a request
     // of an EARLIER layer finds no victim among `l`'s experts.
-    let mut c = ExpertCache::new(
-        &spec,
-        &ckpt,
-        &ExpertCacheOptions {
-            budget_bytes: 3 * per,
-            ..ExpertCacheOptions::default()
-        },
-    )
-    .expect("cache");
+    let mut c = cache_with(&spec, &ckpt, 3 * per);
     c.begin_token();
     c.experts(l, &[1, 2, 3]).expect("served");
     c.begin_token();
@@ -435,15 +420,7 @@ fn ready_only_when_every_expert_is_in_a_ready_slot() {
     let (spec, ckpt) = open_model(&model);
     let l = moe_layer(&spec);
     let per = expert_buf_bytes(&model);
-    let mut c = ExpertCache::new(
-        &spec,
-        &ckpt,
-        &ExpertCacheOptions {
-            budget_bytes: 8 * per,
-            ..ExpertCacheOptions::default()
-        },
-    )
-    .expect("cache");
+    let mut c = cache_with(&spec, &ckpt, 8 * per);
     c.begin_token();
     assert!(!c.ready(l, &[1, 2]), "nothing cached yet");
     c.experts(l, &[1, 2]).expect("served");

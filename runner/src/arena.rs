@@ -116,13 +116,7 @@ impl Arena {
         // Group by shard, in file order.
         let mut by_shard: BTreeMap<PathBuf, Vec<Want>> = BTreeMap::new();
         for (index, d) in decls.iter().enumerate() {
-            let loc = ckpt.try_location(&d.name).ok_or_else(|| {
-                StreamError::Invalid(format!(
-                    "tensor {}: not present in the checkpoint at {}",
-                    d.name,
-                    ckpt.dir().display()
-                ))
-            })?;
+            let loc = ckpt.locate(&d.name).map_err(StreamError::Invalid)?;
             by_shard.entry(loc.shard_path).or_default().push(Want {
                 index,
                 offset: loc.file_offset,

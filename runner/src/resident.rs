@@ -248,12 +248,8 @@ pub struct ResidentTrunk<'c> {
 }
 
 impl<'c> ResidentTrunk<'c> {
-    /// Served from the checkpoint's memory maps.
-    pub fn new(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Result<Self, WeightError> {
-        Self::with_arena(spec, ckpt, None)
-    }
-
-    /// Served from `arena` for the tensors it holds (the rest from the memory maps).
+    /// Served from `arena` for the tensors it holds, the rest (everything with `None`) from
+    /// the checkpoint's memory maps.
     pub fn with_arena(
         spec: &'c ModelSpec,
         ckpt: &'c Checkpoint,
@@ -453,12 +449,8 @@ pub struct ResidentGlobal<'c> {
 }
 
 impl<'c> ResidentGlobal<'c> {
-    /// Served from the checkpoint's memory maps.
-    pub fn new(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Result<Self, WeightError> {
-        Self::with_arena(spec, ckpt, None)
-    }
-
-    /// Served from `arena` for the tensors it holds (the rest from the memory maps).
+    /// Served from `arena` for the tensors it holds, the rest (everything with `None`) from
+    /// the checkpoint's memory maps.
     pub fn with_arena(
         spec: &'c ModelSpec,
         ckpt: &'c Checkpoint,

@@ -31,9 +31,9 @@ fn turn_stops_commit_rule_interrupt_and_reuse() {
     let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
     let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
     let mut w = Providers {
-        trunk: Box::new(ResidentTrunk::new(&spec, &ckpt).expect("trunk")),
+        trunk: Box::new(ResidentTrunk::with_arena(&spec, &ckpt, None).expect("trunk")),
         experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
-        global: Box::new(ResidentGlobal::new(&spec, &ckpt).expect("globals")),
+        global: Box::new(ResidentGlobal::with_arena(&spec, &ckpt, None).expect("globals")),
     };
     let mut exec = Executor::new(&spec, Plan::new(&spec, 4096), 1);
     let tok = || Tokenizer::load(&model).expect("tokenizer");

@@ -85,9 +85,9 @@ pub fn open_model(dir: &Path) -> (ModelSpec, Checkpoint) {
 /// Resident providers over an open checkpoint.
 pub fn resident<'c>(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Providers<'c> {
     Providers {
-        trunk: Box::new(ResidentTrunk::new(spec, ckpt).expect("bind trunk")),
+        trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("bind trunk")),
         experts: Box::new(ResidentExperts::new(spec, ckpt)),
-        global: Box::new(ResidentGlobal::new(spec, ckpt).expect("bind globals")),
+        global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("bind globals")),
     }
 }
 

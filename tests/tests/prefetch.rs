@@ -51,6 +51,15 @@ fn cache_with<'c>(
     .expect("cache")
 }
 
+/// (expert id, its six tensors' bytes) of every expert `src` serves for `ids` of `layer`.
+fn served(src: &mut dyn ExpertSource, layer: usize, ids: &[u32]) -> Vec<(usize, Vec<u8>)> {
+    src.experts(layer, ids)
+        .unwrap_or_else(|e| panic!("layer {layer} ids {ids:?}: {e}"))
+        .iter()
+        .map(|e| (e.expert, expert_bytes(e)))
+        .collect()
+}
+
 fn expert_buf_bytes(model: &Path) -> u64 {
     let (spec, ckpt) = open_model(model);
     let c = ExpertCache::new(&spec, &ckpt, &ExpertCacheOptions::default()).expect("cache");
@@ -296,18 +305,8 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
             real.sort_unstable();
             real.dedup();
             for layer in [l, l + 1] {
-                let got: Vec<(usize, Vec<u8>)> = c
-                    .experts(layer, &real)
-                    .expect("served")
-                    .iter()
-                    .map(|e| (e.expert, expert_bytes(e)))
-                    .collect();
-                let want: Vec<(usize, Vec<u8>)> = resident
-                    .experts(layer, &real)
-                    .expect("resident")
-                    .iter()
-                    .map(|e| (e.expert, expert_bytes(e)))
-                    .collect();
+                let got = served(&mut c, layer, &real);
+                let want = served(&mut resident, layer, &real);
                 assert_eq!(got, want, "{slots} slots, token {t}, layer {layer}");
             }
         }
@@ -378,18 +377,8 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
     let s = c.stats();
     assert_eq!(s.misses, 3, "the current request reads its own experts");
     assert_eq!(s.prefetched, 3, "the guess starts after them");
-    let got: Vec<(usize, Vec<u8>)> = c
-        .experts(next, &[0, 4, 7])
-        .expect("served")
-        .iter()
-        .map(|e| (e.expert, expert_bytes(e)))
-        .collect();
-    let want: Vec<(usize, Vec<u8>)> = resident
-        .experts(next, &[0, 4, 7])
-        .expect("resident")
-        .iter()
-        .map(|e| (e.expert, expert_bytes(e)))
-        .collect();
+    let got = served(&mut c, next, &[0, 4, 7]);
+    let want = served(&mut resident, next, &[0, 4, 7]);
     assert_eq!(got, want, "guessed experts hold the checkpoint's bytes");
     let s = c.stats();
     assert_eq!(s.prefetch_hits, 2, "0 and 4 came from the guess");

@@ -531,6 +531,17 @@ impl Checkpoint {
         })
     }
 
+    /// [`Checkpoint::try_location`], or a message naming the tensor and the checkpoint
+    /// directory (callers wrap it in their own error type).
+    pub fn locate(&self, name: &str) -> Result<TensorLocation, String> {
+        self.try_location(name).ok_or_else(|| {
+            format!(
+                "tensor {name} is not in the checkpoint {}",
+                self.dir().display()
+            )
+        })
+    }
+
     /// Absolute location of a declared tensor. Panics like [`Checkpoint::bytes`].
     pub fn location(&self, decl: &TensorDecl) -> TensorLocation {
         self.try_location(&decl.name)

@@ -223,6 +223,17 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// `n` tasks that each add 1 to `counter`.
+    fn counting(counter: &AtomicUsize, n: usize) -> Vec<Box<dyn FnOnce() + Send + '_>> {
+        (0..n)
+            .map(|_| {
+                Box::new(move || {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }) as Box<dyn FnOnce() + Send>
+            })
+            .collect()
+    }
+
     #[test]
     fn every_task_runs_once_and_may_borrow() {
         let pool = IoThreads::new(3, "t").expect("threads start");
@@ -257,15 +268,7 @@ mod tests {
         assert_eq!(ran.load(Ordering::SeqCst), 9);
         // Both threads still serve a later batch.
         let again = AtomicUsize::new(0);
-        let tasks: Vec<Box<dyn FnOnce() + Send + '_>> = (0..8)
-            .map(|_| {
-                let a = &again;
-                Box::new(move || {
-                    a.fetch_add(1, Ordering::SeqCst);
-                }) as Box<dyn FnOnce() + Send>
-            })
-            .collect();
-        pool.run(tasks);
+        pool.run(counting(&again, 8));
         assert_eq!(again.load(Ordering::SeqCst), 8);
     }
 
@@ -335,15 +338,7 @@ mod tests {
             for _ in 0..2 {
                 s.spawn(|| {
                     for _ in 0..50 {
-                        let tasks: Vec<Box<dyn FnOnce() + Send + '_>> = (0..4)
-                            .map(|_| {
-                                let t = &total;
-                                Box::new(move || {
-                                    t.fetch_add(1, Ordering::SeqCst);
-                                }) as Box<dyn FnOnce() + Send>
-                            })
-                            .collect();
-                        pool.run(tasks);
+                        pool.run(counting(&total, 4));
                     }
                 });
             }

@@ -205,13 +205,7 @@ impl<'c> ExpertStore<'c> {
                     ))
                 })?;
                 let d = &spec.tensors[di as usize];
-                let l = ckpt.try_location(&d.name).ok_or_else(|| {
-                    StreamError::Invalid(format!(
-                        "tensor {} is not in the checkpoint {}",
-                        d.name,
-                        ckpt.dir().display()
-                    ))
-                })?;
+                let l = ckpt.locate(&d.name).map_err(StreamError::Invalid)?;
                 let f = match file_idx.get(&l.shard_path) {
                     Some(&f) => f,
                     None => {

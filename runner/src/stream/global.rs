@@ -86,13 +86,7 @@ fn matrix(
             d.shape
         )));
     }
-    let loc = ckpt.try_location(&d.name).ok_or_else(|| {
-        StreamError::Invalid(format!(
-            "tensor {} is not in the checkpoint {}",
-            d.name,
-            ckpt.dir().display()
-        ))
-    })?;
+    let loc = ckpt.locate(&d.name).map_err(StreamError::Invalid)?;
     Ok(DiskMatrix {
         name: d.name.clone(),
         file: DirectFile::open(&loc.shard_path, o_direct)?,

@@ -166,13 +166,9 @@ fn layer_source(
     }
     let mut located = Vec::with_capacity(decls.len());
     for d in decls {
-        let loc = ck.try_location(&d.name).ok_or_else(|| {
-            StreamError::Pack(format!(
-                "layer {layer}: tensor {} is not in the checkpoint {}",
-                d.name,
-                ck.dir().display()
-            ))
-        })?;
+        let loc = ck
+            .locate(&d.name)
+            .map_err(|e| StreamError::Pack(format!("layer {layer}: {e}")))?;
         if loc.n_bytes != d.n_bytes() as u64 {
             return Err(StreamError::Pack(format!(
                 "layer {layer}: tensor {} has {} bytes in {} but its declaration needs {}",

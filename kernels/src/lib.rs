@@ -52,7 +52,7 @@ pub enum KernelError {
     ThreadPool {
         /// Requested number of threads.
         n_threads: usize,
-        /// The error reported by the OS / rayon.
+        /// The error reported by the OS.
         reason: String,
     },
 }

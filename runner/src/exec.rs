@@ -344,7 +344,6 @@ const ROWS_PER_TASK: usize = 32;
 /// thread, so the bits equal those of separate [`lin`] calls for any thread count; it only
 /// saves the per-call fork/join cost of many small matvecs per layer.
 fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
-    use rayon::prelude::*;
     let cols = x.len();
     let ws: Vec<Cow<'_, [u16]>> = jobs.iter().map(|(t, _)| bf16_bits(*t)).collect();
     let mut tasks: Vec<(&[u16], &mut [f32])> = Vec::new();
@@ -355,17 +354,11 @@ fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
         }
     }
     let serial = Pool::new(1);
-    if pool.n_threads() == 1 {
-        for (w, o) in tasks {
+    pool.for_each_chunk(&mut tasks, 1, |_, t| {
+        for (w, o) in t.iter_mut() {
             matvec::matvec_bf16(&serial, w, x, o);
         }
-    } else {
-        pool.install(|| {
-            tasks
-                .into_par_iter()
-                .for_each(|(w, o)| matvec::matvec_bf16(&serial, w, x, o))
-        });
-    }
+    });
 }
 
 /// Gated MLP activation into `h`.

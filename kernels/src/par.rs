@@ -1,10 +1,20 @@
 //! Threading: a fixed-size worker pool and the only ways kernels split work.
 //!
-//! Owns: [`Pool`] (the calling thread plus spinning workers, or the calling thread alone when
-//! `n_threads == 1`)
-//! and chunked helpers that hand disjoint OUTPUT slices to tasks.
+//! Owns: [`Pool`] (the calling thread plus workers that spin between dispatches, or the calling
+//! thread alone when `n_threads == 1`) and chunked helpers that hand disjoint OUTPUT slices to
+//! tasks.
 //! Must not: split a reduction across threads. Every helper here gives each task whole output
 //! elements (rows, heads), so the bits never depend on the number of threads or on scheduling.
+//!
+//! Why not rayon (which the design names, and which this pool replaced): a decode step is
+//! ~1000 dispatches of 20-300 us each; rayon's caller blocks while its workers run, and its
+//! idle workers yield a few times and then sleep, so every dispatch costs a wake-up of two
+//! threads (tens of microseconds on a VM) and rayon has no setting for how long to spin. This
+//! pool lets the caller take tasks and keeps the workers spinning for [`Pool::set_spin`]:
+//! resident decode on k3-mini 0.132 vs 0.144 s/token (median of 5 alternating runs each),
+//! context switches per run ~25,000 -> ~200 (docs/PERFORMANCE.md, "Fourth session"). The one
+//! crate built for this (micropool 0.3: caller participates, configurable spin) aborts the
+//! process on a task panic; this pool re-raises it on the caller.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -14,11 +24,12 @@ use std::time::{Duration, Instant};
 
 use crate::KernelError;
 
-/// How long an idle worker spins for the next dispatch before it sleeps. A decode step issues
-/// hundreds of dispatches microseconds apart; waking a sleeping thread costs tens of
-/// microseconds on a VM (measured: two threads slower than one on in-cache matvecs with a
-/// sleeping pool), so workers stay awake across a step and sleep only in longer pauses.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long an idle worker spins for the next dispatch before it sleeps, by default
+/// ([`Pool::set_spin`] changes it). A decode step issues hundreds of dispatches microseconds
+/// apart; waking a sleeping thread costs tens of microseconds on a VM (measured: two threads
+/// slower than one on in-cache matvecs with a sleeping pool), so workers stay awake across a
+/// step and sleep only in longer pauses.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// A worker pool of `n_threads` threads (the calling thread plus `n_threads - 1` workers).
 /// Row-parallel kernels take `&Pool`.
@@ -70,6 +81,8 @@ struct Shared {
     sleeping: AtomicUsize,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// Idle spin before sleeping, in nanoseconds ([`Pool::set_spin`]).
+    spin_ns: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -111,6 +124,7 @@ impl Shared {
         loop {
             let mut t0 = Instant::now();
             let mut spins = 0u32;
+            let spin = Duration::from_nanos(self.spin_ns.load(Ordering::Relaxed));
             loop {
                 if self.shutdown.load(Ordering::Acquire) {
                     return;
@@ -119,7 +133,7 @@ impl Shared {
                     break;
                 }
                 spins = spins.wrapping_add(1);
-                if !spins.is_multiple_of(256) || t0.elapsed() < SPIN {
+                if !spins.is_multiple_of(256) || t0.elapsed() < spin {
                     std::hint::spin_loop();
                     continue;
                 }
@@ -180,6 +194,7 @@ impl Pool {
             sleeping: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            spin_ns: AtomicU64::new(DEFAULT_SPIN.as_nanos() as u64),
         });
         let mut pool = Pool {
             n_threads,
@@ -203,6 +218,27 @@ impl Pool {
     /// Number of threads (the caller included).
     pub fn n_threads(&self) -> usize {
         self.n_threads
+    }
+
+    /// How long idle workers spin for the next dispatch before they sleep (default
+    /// [`DEFAULT_SPIN`]; takes effect from each worker's next idle period). Spinning saves the
+    /// wake-up of a sleeping worker per dispatch (a compute-bound decode is ~8% faster on two
+    /// vCPUs) but holds a CPU that threads blocked on reads need to issue their next read: a
+    /// decode that streams its trunk ran 9% slower spinning. `Duration::ZERO` sleeps at once.
+    pub fn set_spin(&self, spin: Duration) {
+        if let Some(sh) = &self.inner {
+            sh.spin_ns.store(
+                spin.as_nanos().min(u64::MAX as u128) as u64,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// The current idle spin ([`Pool::set_spin`]); zero for a one-thread pool.
+    pub fn spin(&self) -> Duration {
+        self.inner.as_ref().map_or(Duration::ZERO, |sh| {
+            Duration::from_nanos(sh.spin_ns.load(Ordering::Relaxed))
+        })
     }
 
     /// Runs `f(i)` for every `i` in `0..n`, possibly in parallel; returns when all are done.
@@ -364,8 +400,16 @@ mod tests {
     #[test]
     fn many_back_to_back_dispatches_run_every_task_once() {
         use std::sync::atomic::AtomicU32;
-        for n_threads in [2, 3, 8] {
+        for (n_threads, spin) in [
+            (2, DEFAULT_SPIN),
+            (3, DEFAULT_SPIN),
+            (8, DEFAULT_SPIN),
+            (2, Duration::ZERO),
+            (3, Duration::ZERO),
+        ] {
             let pool = Pool::new(n_threads);
+            pool.set_spin(spin);
+            assert_eq!(pool.spin(), spin);
             let hits: Vec<AtomicU32> = (0..97).map(|_| AtomicU32::new(0)).collect();
             for round in 0..3000usize {
                 let n = 1 + round % 97;
@@ -381,7 +425,7 @@ mod tests {
                 .map(|i| (0..3000usize).filter(|r| 1 + r % 97 > i).count() as u32)
                 .collect();
             let got: Vec<u32> = hits.iter().map(|h| h.load(Ordering::Relaxed)).collect();
-            assert_eq!(got, want, "{n_threads} threads");
+            assert_eq!(got, want, "{n_threads} threads, spin {spin:?}");
         }
     }
 

@@ -613,6 +613,9 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     );
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
     let mut exec = Executor::new(&spec, plan, threads);
+    if let Some(l) = session.configure_pool(exec.pool()) {
+        eprintln!("  {l}");
+    }
     let req = GenRequest {
         prompt_ids: prompt,
         n_gen: a.n_gen,
@@ -856,6 +859,9 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
             .map_err(stream_failure)?;
     eprintln!("  {state_line}");
     let mut exec = Executor::new(&spec, plan, threads);
+    if let Some(l) = session.configure_pool(exec.pool()) {
+        eprintln!("  {l}");
+    }
     crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
 }
 

@@ -174,6 +174,8 @@ pub fn run_with(
     let mut session = k3_run::session::build(&spec, &ckpt, &plan, settings)
         .unwrap_or_else(|e| panic!("build providers for {settings:?}: {e}"));
     let mut exec = Executor::new(&spec, plan, threads);
+    // as the CLI does: workers spin only when every weight is in RAM
+    session.configure_pool(exec.pool());
     let req = k3_run::run::GenRequest {
         prompt_ids: prompt.to_vec(),
         n_gen,

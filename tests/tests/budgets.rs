@@ -176,3 +176,48 @@ fn cache_budget_above_the_model_is_planned_at_its_capacity() {
         "a budget of 0 plans no cache bytes"
     );
 }
+
+/// The kernel workers spin between dispatches only when no weight is read per token (resident
+/// trunk and experts, or every trunk layer pinned with resident experts); with a ring slot or an
+/// expert cache they sleep, leaving the CPUs to the reader threads. The bits never depend on it:
+/// `check` above runs every budget through `run_with`, which configures the pool this way.
+#[test]
+fn kernel_workers_spin_only_when_every_weight_is_in_ram() {
+    use k3_kernels::par::DEFAULT_SPIN;
+    use std::time::Duration;
+    let (model, trunk) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = k3_conformance::open_model(&model);
+    let plan = k3_run::plan::Plan::new(&spec, 8);
+    let total: u64 = trunk_layer_sizes(&trunk)
+        .iter()
+        .map(|s| s.next_multiple_of(4096))
+        .sum();
+    let spin = |m: MemorySettings| {
+        let session = k3_run::session::build(&spec, &ckpt, &plan, &m).expect("providers build");
+        let pool = k3_kernels::Pool::new(2);
+        pool.set_spin(Duration::from_micros(7));
+        let line = session
+            .configure_pool(&pool)
+            .expect("a 2-thread pool gets a line");
+        assert_eq!(session.kernel_spin(), pool.spin(), "{line}");
+        assert!(
+            session.configure_pool(&k3_kernels::Pool::new(1)).is_none(),
+            "a one-thread pool has no workers to configure"
+        );
+        pool.spin()
+    };
+    let pinned = |cache: Option<u64>| MemorySettings {
+        trunk_dir: Some(trunk.clone()),
+        trunk_budget_bytes: Some(total),
+        cache_budget_bytes: cache,
+        ..MemorySettings::default()
+    };
+    assert_eq!(spin(MemorySettings::default()), DEFAULT_SPIN, "resident");
+    assert_eq!(spin(pinned(None)), DEFAULT_SPIN, "every layer pinned");
+    assert_eq!(spin(pinned(Some(1 << 40))), Duration::ZERO, "expert cache");
+    let ring = MemorySettings {
+        trunk_budget_bytes: Some(total / 4),
+        ..pinned(None)
+    };
+    assert_eq!(spin(ring), Duration::ZERO, "ring slots");
+}

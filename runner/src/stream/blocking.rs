@@ -3,9 +3,9 @@
 //! Owns: [`IoThreads`]: `n` threads that sleep on a condition variable until a batch arrives
 //! and go back to sleep when the queue is empty, and [`IoThreads::run`], which runs a batch
 //! of closures that may borrow the caller's data and returns only when every one has run.
-//! Why not rayon (which the kernels use): an idle rayon worker spins with `sched_yield`
-//! before it sleeps, and eight such workers woken for every expert batch took CPU from the
-//! two compute threads on a 2-core machine (perf: `do_sched_yield` + `__sched_yield` ~5% of
+//! Why not rayon or the kernels' spinning `Pool`: an idle rayon worker spins with
+//! `sched_yield` before it sleeps, and eight such workers woken for every expert batch took
+//! CPU from the two compute threads on a 2-core machine (perf: `do_sched_yield` + `__sched_yield` ~5% of
 //! all samples, in the reader threads; docs/PERFORMANCE.md, "Third session"). Reads block in
 //! the kernel; nothing here needs work stealing.
 //! Must not: return from `run` before every task of the batch has finished (the tasks borrow

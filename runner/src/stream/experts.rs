@@ -138,8 +138,8 @@ pub struct ExpertStore<'c> {
     expert_buf_bytes: usize,
     /// Exact payload bytes of one expert (max over experts).
     expert_bytes: u64,
-    /// Shared with the prefetch thread (rayon scopes and the io_uring mutex allow callers on
-    /// several threads).
+    /// Shared with the prefetch thread (the blocking reader threads and the io_uring mutex
+    /// allow callers on several threads).
     pool: Arc<ReadPool>,
 }
 

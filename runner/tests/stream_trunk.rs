@@ -7,7 +7,7 @@ use k3_models::spec::ModelSpec;
 use k3_run::checkpoint::Checkpoint;
 use k3_run::stream::aligned::align_up;
 use k3_run::stream::pack::{TrunkManifest, pack_trunk};
-use k3_run::stream::trunk::{MmapTrunk, StreamedTrunk, TrunkOptions};
+use k3_run::stream::trunk::{MmapTrunk, PINNED_LOAD_DEPTH, StreamedTrunk, TrunkOptions};
 use k3_run::weights::TrunkSource;
 use stream_support::*;
 
@@ -137,6 +137,14 @@ fn two_slots_prefetch_with_one_reader_thread_at_several_budgets() {
         assert_eq!(t.out_of_order_requests(), 0, "{what}");
         assert_eq!(s.pinned_layers, p.pinned_layers);
         assert!(s.wait_seconds <= s.read_seconds + 1.0);
+        if p.pinned_layers > 0 {
+            // the prefix loads at queue depth 16 although the trunk's pool has 4 threads
+            let lines = t.startup_lines().join("\n");
+            assert!(
+                lines.contains(&format!("queue depth {PINNED_LOAD_DEPTH})")),
+                "{what}: {lines}"
+            );
+        }
     }
 }
 

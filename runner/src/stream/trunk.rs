@@ -68,6 +68,12 @@ impl Default for TrunkOptions {
 /// on the development VM's disk).
 pub const READ_PIECE: usize = 4 << 20;
 
+/// Queue depth (reader threads) of the pinned-prefix load at start, the first-token cost:
+/// the goal is the disk's queue-depth-16 bandwidth. Measured on k3-mini (2.51 GB
+/// pinned, page cache dropped, alternating): 2462-2548 MB/s at 16 vs 1903-2315 MB/s with the
+/// trunk's 8 reader threads, against 2587 MB/s for the QD16 probe (docs/PERFORMANCE.md).
+pub const PINNED_LOAD_DEPTH: usize = 16;
+
 /// A loaded layer: the buffer and where the layer's first byte sits in it.
 #[derive(Debug)]
 struct Loaded {
@@ -129,6 +135,9 @@ pub struct StreamedTrunk {
     ring: Ring,
     stats: TrunkStats,
     pinned_load_seconds: f64,
+    /// Queue depth of the last pinned-prefix load ([`PINNED_LOAD_DEPTH`] unless io_uring or
+    /// the threads could not start).
+    pinned_load_depth: usize,
     reader_threads_spawned: usize,
     out_of_order: u64,
     huge_pages: bool,
@@ -290,6 +299,7 @@ impl StreamedTrunk {
             ring,
             stats,
             pinned_load_seconds: 0.0,
+            pinned_load_depth: 0,
             reader_threads_spawned: 0,
             out_of_order: 0,
             huge_pages,
@@ -378,7 +388,14 @@ impl StreamedTrunk {
                             super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
                         });
                 }
-                self.pool.read_all(&mut reqs)
+                // At queue depth PINNED_LOAD_DEPTH: a pool of that many reader threads for
+                // the load only (the trunk's own pool, for ring reads, stays smaller).
+                let wide = (!self.pool.uses_io_uring() && self.pool.depth() < PINNED_LOAD_DEPTH)
+                    .then(|| ReadPool::new(PINNED_LOAD_DEPTH).ok())
+                    .flatten();
+                let pool = wide.as_ref().unwrap_or(&self.pool);
+                self.pinned_load_depth = pool.depth();
+                pool.read_all(&mut reqs)
             });
             for r in results {
                 r?;
@@ -460,10 +477,11 @@ impl StreamedTrunk {
                 .sum();
             if loaded > 0 && self.pinned_load_seconds > 0.0 {
                 lines.push(format!(
-                    "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s)",
+                    "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s, queue depth {})",
                     fmt_bytes(loaded),
                     self.pinned_load_seconds,
-                    loaded as f64 / 1e6 / self.pinned_load_seconds
+                    loaded as f64 / 1e6 / self.pinned_load_seconds,
+                    self.pinned_load_depth
                 ));
             } else {
                 lines.push("pinned prefix: loaded on first use".to_string());

@@ -1127,7 +1127,8 @@ impl<'s> Executor<'s> {
         };
         // Overlap only when the routed experts are not all in RAM already.
         let overlap = may_block && !experts.ready(l, &s.ids[..k]);
-        if may_block && !overlap {
+        let rest_first = (may_block && !overlap) || (overlap && experts.reads_ahead());
+        if rest_first {
             let jobs = rest_jobs(
                 w_latent,
                 w_shared,
@@ -1139,59 +1140,23 @@ impl<'s> Executor<'s> {
                 lin_batch(pool, &s.xn, jobs);
             }
         }
-        let ews: Vec<ExpertWeights<'_>> = if overlap {
-            let ids = &s.ids[..k];
-            let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (
-                &s.xn,
-                &mut s.z,
-                &mut s.ff_gate,
-                &mut s.ff_up,
-                &mut s.ff_h,
-                &mut s.tmp_d,
-            );
-            let fetcher = fetch.as_ref().map_err(|e| WeightError::Invalid {
-                name: format!("routed experts of layer {l}"),
-                msg: format!("cannot start the expert fetch thread: {e}"),
-            })?;
-            let mut got = None;
-            fetcher.run_alongside(Box::new(|| got = Some(experts.experts(l, ids))), || {
-                let jobs = rest_jobs(
-                    w_latent,
-                    w_shared,
-                    &mut z[..dz],
-                    &mut ff_gate[..sw],
-                    &mut ff_up[..sw],
-                );
-                if !jobs.is_empty() {
-                    lin_batch(pool, xn, jobs);
-                }
-                shared(ff_gate, ff_up, ff_h, tmp_d);
-            });
-            got.unwrap_or_else(|| {
-                Err(WeightError::Invalid {
-                    name: format!("routed experts of layer {l}"),
-                    msg: "the expert fetch panicked (internal error)".to_string(),
-                })
-            })?
-        } else {
-            shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
-            experts.experts(l, &s.ids[..k])?
-        };
-        // latent down-projection z = W_down x  [latent] (computed above)
-        let xin: &[f32] = if p.d_latent.is_some() {
-            &s.z[..dz]
-        } else {
-            &s.xn
-        };
-        // routed experts, combined in ascending expert id (route() returns ids ascending)
-        // Experts run in parallel, one task per expert (each task's matvecs on one thread, so
-        // a task's bits are those of the canonical row order); outputs land in per-expert
-        // slots [gate ff | up ff | h ff | out dz] and are combined afterwards in ascending id.
+        // Routed experts run in parallel, one task per expert (each task's matvecs on one
+        // thread, so a task's bits are those of the canonical row order); outputs land in
+        // per-expert slots [gate ff | up ff | h ff | out dz] and are combined afterwards in
+        // ascending id (route() returns ids ascending), however they were split in time.
         let stride = 3 * ff + dz;
-        {
-            let act = spec.activation;
-            pool.for_each_chunk(&mut s.experts_scratch[..k * stride], stride, |j, buf| {
-                let ew = &ews[j];
+        let act = spec.activation;
+        let run = |xin: &[f32], scratch: &mut [f32], at: &[usize], ws: &[ExpertWeights<'_>]| {
+            // which[j]: the position in `ws` of the expert routed j-th (usize::MAX: not here)
+            let mut which = vec![usize::MAX; k];
+            for (t, &j) in at.iter().enumerate() {
+                which[j] = t;
+            }
+            let which = &which;
+            pool.for_each_chunk(&mut scratch[..k * stride], stride, |j, buf| {
+                let Some(ew) = ws.get(which[j]) else {
+                    return;
+                };
                 let (gate, rest) = buf.split_at_mut(ff);
                 let (up, rest) = rest.split_at_mut(ff);
                 let (h, out) = rest.split_at_mut(ff);
@@ -1200,8 +1165,61 @@ impl<'s> Executor<'s> {
                 glu(act, gate, up, h);
                 matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
             });
+        };
+        // latent down-projection z = W_down x  [latent] (computed above or alongside below)
+        let latent = p.d_latent.is_some();
+        if overlap && experts.reads_ahead() {
+            // Guessed experts are landing one by one: shared experts first (above and here),
+            // then the routed experts already in RAM while the others finish their reads.
+            shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+            let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
+            let scratch = &mut s.experts_scratch;
+            let (at, ews) =
+                experts.experts_split(l, &s.ids[..k], &mut |at, ws| run(xin, scratch, at, ws))?;
+            run(xin, scratch, &at, &ews);
+        } else {
+            let ews: Vec<ExpertWeights<'_>> = if overlap {
+                let ids = &s.ids[..k];
+                let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (
+                    &s.xn,
+                    &mut s.z,
+                    &mut s.ff_gate,
+                    &mut s.ff_up,
+                    &mut s.ff_h,
+                    &mut s.tmp_d,
+                );
+                let fetcher = fetch.as_ref().map_err(|e| WeightError::Invalid {
+                    name: format!("routed experts of layer {l}"),
+                    msg: format!("cannot start the expert fetch thread: {e}"),
+                })?;
+                let mut got = None;
+                fetcher.run_alongside(Box::new(|| got = Some(experts.experts(l, ids))), || {
+                    let jobs = rest_jobs(
+                        w_latent,
+                        w_shared,
+                        &mut z[..dz],
+                        &mut ff_gate[..sw],
+                        &mut ff_up[..sw],
+                    );
+                    if !jobs.is_empty() {
+                        lin_batch(pool, xn, jobs);
+                    }
+                    shared(ff_gate, ff_up, ff_h, tmp_d);
+                });
+                got.unwrap_or_else(|| {
+                    Err(WeightError::Invalid {
+                        name: format!("routed experts of layer {l}"),
+                        msg: "the expert fetch panicked (internal error)".to_string(),
+                    })
+                })?
+            } else {
+                shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+                experts.experts(l, &s.ids[..k])?
+            };
+            let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
+            let at: Vec<usize> = (0..k).collect();
+            run(xin, &mut s.experts_scratch, &at, &ews);
         }
-        drop(ews);
         s.acc[..dz].fill(0.0);
         for j in 0..k {
             let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];

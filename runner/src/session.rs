@@ -250,6 +250,9 @@ pub fn build_with<'c>(
     })
 }
 
+/// Environment variable overriding [`Session::kernel_spin`] (microseconds), for benchmarks.
+pub const KERNEL_SPIN_ENV: &str = "K3_KERNEL_SPIN_US";
+
 impl Session<'_> {
     /// How long the kernel pool's idle workers spin between dispatches ([`Pool::set_spin`]):
     /// [`k3_kernels::par::DEFAULT_SPIN`] when every weight is in RAM (compute-bound: the spin
@@ -259,7 +262,14 @@ impl Session<'_> {
     /// slower). Never changes a bit.
     ///
     /// [`Pool::set_spin`]: k3_kernels::Pool::set_spin
+    /// `K3_KERNEL_SPIN_US` (microseconds) overrides it, for benchmarks.
     pub fn kernel_spin(&self) -> std::time::Duration {
+        if let Some(us) = std::env::var(KERNEL_SPIN_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            return std::time::Duration::from_micros(us);
+        }
         if self.weights_in_ram {
             k3_kernels::par::DEFAULT_SPIN
         } else {
@@ -275,11 +285,18 @@ impl Session<'_> {
         }
         let spin = self.kernel_spin();
         pool.set_spin(spin);
+        let why = if std::env::var_os(KERNEL_SPIN_ENV).is_some() {
+            KERNEL_SPIN_ENV
+        } else if spin.is_zero() {
+            "weights are read per token: the reader threads need the CPUs"
+        } else {
+            "every weight is in RAM"
+        };
         Some(if spin.is_zero() {
-            "kernel workers: sleep between dispatches (weights are read per token: the reader threads need the CPUs)".to_string()
+            format!("kernel workers: sleep between dispatches ({why})")
         } else {
             format!(
-                "kernel workers: spin {} us between dispatches (every weight is in RAM)",
+                "kernel workers: spin {} us between dispatches ({why})",
                 spin.as_micros()
             )
         })

@@ -187,6 +187,29 @@ pub trait ExpertSource: Send {
     fn ready(&mut self, _layer: usize, _ids: &[u32]) -> bool {
         !self.reads_block()
     }
+    /// `true` when guessed experts are being read in the background, each usable as soon as
+    /// its own read lands: the executor then computes the work that does not need the routed
+    /// experts first and takes the experts through [`ExpertSource::experts_split`] (computing
+    /// those already in RAM while the rest land) instead of waiting for all of them on a
+    /// helper thread. Default `false`.
+    fn reads_ahead(&self) -> bool {
+        false
+    }
+    /// [`ExpertSource::experts`] in two parts: first the requested experts that are in RAM
+    /// right now go to `early` (their positions in `ids` and their views; it may compute with
+    /// them while the others are still being read), then the call makes the others available
+    /// and returns them (positions and views). Every position is in exactly one of the two;
+    /// bookkeeping (counters, trace, errors) is that of one `experts` call. Default: nothing
+    /// early.
+    fn experts_split(
+        &mut self,
+        layer: usize,
+        ids: &[u32],
+        _early: &mut dyn FnMut(&[usize], &[ExpertWeights<'_>]),
+    ) -> Result<(Vec<usize>, Vec<ExpertWeights<'_>>), WeightError> {
+        let all = self.experts(layer, ids)?;
+        Ok(((0..ids.len()).collect(), all))
+    }
 }
 
 /// Supplies the global tensors.

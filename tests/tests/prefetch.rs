@@ -436,3 +436,80 @@ fn ready_only_when_every_expert_is_in_a_ready_slot() {
     none.experts(l, &[1]).expect("served");
     assert!(!none.ready(l, &[1]), "budget 0 keeps nothing");
 }
+
+/// `experts_split` hands the experts already in ready slots to `early` first and returns the
+/// others after their reads (in flight or on demand): every position exactly once, the same
+/// bytes as a cache without room, and the same counters as one `experts` call on a twin cache.
+#[test]
+fn split_hands_out_ready_experts_first_and_the_rest_after() {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let per = expert_buf_bytes(&model);
+    let mut reference = cache_with(&spec, &ckpt, 0);
+    assert!(!reference.reads_ahead(), "no room: nothing is read ahead");
+    let ids = [1u32, 2, 3, 4, 5];
+    let want = served(&mut reference, l, &ids);
+    let (mut split, mut twin) = (
+        cache_with(&spec, &ckpt, 16 * per),
+        cache_with(&spec, &ckpt, 16 * per),
+    );
+    for c in [&mut split, &mut twin] {
+        c.set_prefetch_margin(Some(0));
+        assert!(c.reads_ahead());
+        c.begin_token();
+        c.experts(l, &[1, 2]).expect("served");
+        c.prefetch(l, &[3, 4]); // in flight or landed; 5 is read on demand
+    }
+    let mut early: Vec<(usize, usize, Vec<u8>)> = Vec::new();
+    let (rest_at, rest) = split
+        .experts_split(l, &ids, &mut |at, ws| {
+            for (&i, w) in at.iter().zip(ws) {
+                early.push((i, w.expert, expert_bytes(w)));
+            }
+        })
+        .expect("served");
+    let early_at: Vec<usize> = early.iter().map(|e| e.0).collect();
+    assert!(
+        early_at.starts_with(&[0, 1]),
+        "1 and 2 were ready: {early_at:?}"
+    );
+    assert!(!early_at.contains(&4), "5 is not read before the call");
+    let mut got: Vec<(usize, usize, Vec<u8>)> = early;
+    got.extend(
+        rest_at
+            .iter()
+            .zip(&rest)
+            .map(|(&i, w)| (i, w.expert, expert_bytes(w))),
+    );
+    got.sort_by_key(|g| g.0);
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        (0..ids.len()).collect::<Vec<_>>(),
+        "every position exactly once"
+    );
+    for ((i, id, bytes), (want_id, want_bytes)) in got.iter().zip(&want) {
+        assert_eq!((id, bytes), (want_id, want_bytes), "position {i}");
+    }
+    drop(rest);
+    twin.experts(l, &ids).expect("served");
+    let (s, t) = (split.stats(), twin.stats());
+    assert_eq!(
+        (
+            s.requests,
+            s.hits,
+            s.misses,
+            s.prefetch_hits,
+            s.prefetch_wasted
+        ),
+        (
+            t.requests,
+            t.hits,
+            t.misses,
+            t.prefetch_hits,
+            t.prefetch_wasted
+        ),
+        "{s:?} vs {t:?}"
+    );
+    assert_eq!((s.requests, s.misses, s.prefetch_hits), (7, 3, 2), "{s:?}");
+}

@@ -17,7 +17,8 @@ use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
-type Task = Box<dyn FnOnce() + Send + 'static>;
+/// A queued task (owned: `run` erases its borrows' lifetime while it waits for them).
+pub type Task = Box<dyn FnOnce() + Send + 'static>;
 
 #[derive(Default)]
 struct Queue {
@@ -137,6 +138,30 @@ impl IoThreads {
         f()
     }
 
+    /// Queue owned tasks (after the tasks already queued) and return at once: nothing waits
+    /// for them. A panicking task is caught (the thread goes on); a task that must report
+    /// back does so itself (e.g. over a channel, also when its work failed).
+    pub fn spawn(&self, tasks: Vec<Task>) {
+        let n = tasks.len();
+        if n == 0 {
+            return;
+        }
+        lock(&self.shared.queue)
+            .tasks
+            .extend(tasks.into_iter().map(|t| {
+                Box::new(move || {
+                    let _ = catch_unwind(AssertUnwindSafe(t));
+                }) as Task
+            }));
+        if n >= self.threads.len() {
+            self.shared.ready.notify_all();
+        } else {
+            for _ in 0..n {
+                self.shared.ready.notify_one();
+            }
+        }
+    }
+
     fn run_with<'a>(&self, tasks: Vec<Box<dyn FnOnce() + Send + 'a>>, front: bool) {
         let n = tasks.len();
         if n == 0 {
@@ -232,6 +257,26 @@ mod tests {
                 }) as Box<dyn FnOnce() + Send>
             })
             .collect()
+    }
+
+    #[test]
+    fn spawned_tasks_run_without_a_wait_and_survive_a_panic() {
+        let pool = IoThreads::new(2, "t").expect("threads start");
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        let mut tasks: Vec<Task> = vec![Box::new(|| panic!("a spawned task panics"))];
+        for i in 0..20 {
+            let tx = tx.clone();
+            tasks.push(Box::new(move || tx.send(i).expect("receiver alive")));
+        }
+        drop(tx);
+        pool.spawn(tasks);
+        let mut got: Vec<usize> = rx.iter().collect();
+        got.sort_unstable();
+        assert_eq!(got, (0..20).collect::<Vec<_>>());
+        // the threads are still there after the panic
+        let c = AtomicUsize::new(0);
+        pool.run(counting(&c, 5));
+        assert_eq!(c.load(Ordering::SeqCst), 5);
     }
 
     #[test]

@@ -405,6 +405,13 @@ impl ReadPool {
         self.depth
     }
 
+    /// Queue owned tasks on the reader threads (behind the reads already queued) and return
+    /// at once; each task reports back itself ([`super::blocking::IoThreads::spawn`]). Always
+    /// the pread threads, also when batches go through io_uring.
+    pub fn spawn(&self, tasks: Vec<super::blocking::Task>) {
+        self.pool.spawn(tasks);
+    }
+
     /// Read `offset..offset+len` of `file` into `buf` like [`DirectFile::read_into`], split
     /// into `piece`-byte reads (a multiple of the alignment) issued in parallel: one large
     /// pread runs at queue depth 1, which on NVMe/virtio is 2-3x slower than 4 MiB pieces at

@@ -383,8 +383,22 @@ impl<'c> ExpertStore<'c> {
     }
 }
 
-/// One expert a prefetch reads: its slot, key, layout and the slot's buffer (owned by the
-/// prefetch thread until the read is done).
+/// The view of expert `id` in `buf`, whose six tensors are at `t` (offset, length).
+fn expert_view<'b>(id: u32, buf: &'b [u8], t: &[(usize, usize); 6]) -> ExpertWeights<'b> {
+    let part = |k: usize| &buf[t[k].0..t[k].0 + t[k].1];
+    ExpertWeights {
+        expert: id as usize,
+        w1_packed: part(0),
+        w1_scale: part(1),
+        w3_packed: part(2),
+        w3_scale: part(3),
+        w2_packed: part(4),
+        w2_scale: part(5),
+    }
+}
+
+/// One expert a prefetch reads: its slot, key, layout and the slot's buffer (owned by its
+/// read task until the read is done).
 struct PrefetchItem {
     slot: usize,
     key: ExpertKey,
@@ -392,79 +406,90 @@ struct PrefetchItem {
     buf: AlignedBuf,
 }
 
-/// One prefetched item back from the thread with its read result.
-type ReadOutcome = (PrefetchItem, Result<(), String>);
-
-/// A finished prefetch batch: every item back with its read result, bytes and seconds.
+/// One prefetched expert back from its reader thread: the item (buffer filled), its read
+/// result, the bytes requested and when the read started and ended.
 struct PrefetchDone {
-    items: Vec<ReadOutcome>,
+    item: PrefetchItem,
+    result: Result<(), String>,
     bytes: u64,
-    seconds: f64,
+    started: Instant,
+    finished: Instant,
 }
 
-/// The background reader of prefetches: one thread that runs each batch on the store's read
-/// pool and sends the buffers back. Dropping it closes the job channel and joins the thread.
+/// Prefetch reads: every guessed expert is one owned task on the store's reader threads that
+/// reads the expert's runs into its slot buffer and sends it back, so an expert is usable as
+/// soon as ITS read has landed, not when the whole guess of its layer has
+/// ([`ExpertSource::experts_split`] computes those first).
 struct Prefetcher {
-    jobs: Option<mpsc::Sender<Vec<PrefetchItem>>>,
+    files: Arc<Vec<DirectFile>>,
+    pool: Arc<ReadPool>,
+    tx: mpsc::Sender<PrefetchDone>,
     done: mpsc::Receiver<PrefetchDone>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// The layers of the batches sent and not yet received back, in sending order.
-    in_flight: std::collections::VecDeque<usize>,
+    /// The layer of every item sent and not yet received back.
+    in_flight: Vec<usize>,
+    /// End of the latest read received, to add up the time with a prefetch read in flight.
+    busy_until: Option<Instant>,
 }
 
 impl Prefetcher {
-    fn start(files: Arc<Vec<DirectFile>>, pool: Arc<ReadPool>) -> Result<Self, String> {
-        let (job_tx, job_rx) = mpsc::channel::<Vec<PrefetchItem>>();
-        let (done_tx, done_rx) = mpsc::channel::<PrefetchDone>();
-        let thread = std::thread::Builder::new()
-            .name("k3-expert-prefetch".to_string())
-            .spawn(move || {
-                for items in job_rx {
-                    let t0 = Instant::now();
-                    let (items, bytes) = read_owned(&files, &pool, items);
-                    let done = PrefetchDone {
-                        items,
-                        bytes,
-                        seconds: t0.elapsed().as_secs_f64(),
-                    };
-                    if done_tx.send(done).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| format!("cannot start the expert prefetch thread: {e}"))?;
-        Ok(Self {
-            jobs: Some(job_tx),
-            done: done_rx,
-            thread: Some(thread),
-            in_flight: std::collections::VecDeque::new(),
-        })
-    }
-}
-
-impl Drop for Prefetcher {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            // A panicked prefetch thread has nothing left to clean up.
-            let _ = t.join();
+    fn new(files: Arc<Vec<DirectFile>>, pool: Arc<ReadPool>) -> Self {
+        let (tx, done) = mpsc::channel();
+        Self {
+            files,
+            pool,
+            tx,
+            done,
+            in_flight: Vec::new(),
+            busy_until: None,
         }
     }
+
+    /// Queue one read task per item, in disk order, behind the reads already queued.
+    fn send(&mut self, mut items: Vec<PrefetchItem>) {
+        items.sort_by_key(|it| it.layout.runs.first().map(|r| (r.file, r.offset)));
+        let mut tasks: Vec<super::blocking::Task> = Vec::with_capacity(items.len());
+        for mut item in items {
+            self.in_flight.push(item.key.0);
+            let (files, tx) = (Arc::clone(&self.files), self.tx.clone());
+            tasks.push(Box::new(move || {
+                let started = Instant::now();
+                let (result, bytes) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        read_item(&files, &mut item)
+                    }))
+                    .unwrap_or_else(|_| (Err("the read task panicked".to_string()), 0));
+                // The cache may be gone (end of run): nothing waits for this item then.
+                let _ = tx.send(PrefetchDone {
+                    item,
+                    result,
+                    bytes,
+                    started,
+                    finished: Instant::now(),
+                });
+            }));
+        }
+        self.pool.spawn(tasks);
+    }
 }
 
-/// Read every item's runs into its own buffer: all runs issued together, sorted by
-/// (file, offset), on `pool`.
-fn read_owned(
-    files: &[DirectFile],
-    pool: &ReadPool,
-    mut items: Vec<PrefetchItem>,
-) -> (Vec<ReadOutcome>, u64) {
-    let jobs = items
-        .iter_mut()
-        .map(|it| (it.layout.runs.as_slice(), it.buf.full_mut()))
-        .collect();
-    let (results, bytes) = read_runs(files, pool, jobs, false);
-    (items.into_iter().zip(results).collect(), bytes)
+/// Read one item's runs into its buffer (each run at its `buf_off`), one after another on
+/// the calling thread. Returns `Ok(())` or the first error message, and the bytes requested.
+fn read_item(files: &[DirectFile], item: &mut PrefetchItem) -> (Result<(), String>, u64) {
+    let buf = item.buf.full_mut();
+    let mut bytes = 0u64;
+    for r in &item.layout.runs {
+        let Some(dst) = buf.get_mut(r.buf_off..r.buf_off + r.buf_len) else {
+            return (
+                Err("expert buffer too small (internal error)".to_string()),
+                bytes,
+            );
+        };
+        bytes += r.buf_len as u64;
+        if let Err(e) = files[r.file as usize].read_into(r.offset, r.len, dst) {
+            return (Err(e.to_string()), bytes);
+        }
+    }
+    (Ok(()), bytes)
 }
 
 /// Read every job's runs into its buffer (each run at its `buf_off`): all runs issued
@@ -695,40 +720,48 @@ impl<'c> ExpertCache<'c> {
         self.prefetch_off.as_deref()
     }
 
-    /// Take a finished prefetch batch back: buffers into their slots, E8M0 check, Ready.
+    /// Take a finished prefetch read back: buffer into its slot, E8M0 check, Ready.
     /// A failed read or check only frees the slot (a later request reads again and reports).
     fn finish_prefetch(&mut self, done: PrefetchDone) {
         self.stats.prefetch_bytes += done.bytes;
         self.stats.bytes_read += done.bytes;
-        self.stats.prefetch_read_seconds += done.seconds;
-        for (it, res) in done.items {
-            let ok = res.and_then(|()| self.store.check_scales(it.key, &it.layout, it.buf.full()));
-            let slot = &mut self.slots[it.slot];
-            slot.buf = Some(it.buf);
-            if slot.state != SlotState::InFlight || slot.key != Some(it.key) {
-                continue;
+        // Time with at least one prefetch read in flight (reads overlap: each stretch once).
+        if let Some(p) = self.prefetcher.as_mut() {
+            let from = p.busy_until.map_or(done.started, |b| b.max(done.started));
+            if done.finished > from {
+                self.stats.prefetch_read_seconds += (done.finished - from).as_secs_f64();
             }
-            match ok {
-                Ok(()) => {
-                    slot.state = SlotState::Ready;
-                    slot.tensors = it.layout.tensors;
-                    self.policy.on_insert(it.key, it.slot);
-                }
-                Err(_) => {
-                    slot.state = SlotState::Empty;
-                    slot.key = None;
-                    slot.from_prefetch = false;
-                    self.stats.prefetch_failures += 1;
-                    if self.map.get(&it.key) == Some(&it.slot) {
-                        self.map.remove(&it.key);
-                    }
+            p.busy_until = Some(p.busy_until.map_or(done.finished, |b| b.max(done.finished)));
+        }
+        let PrefetchDone {
+            item: it, result, ..
+        } = done;
+        let ok = result.and_then(|()| self.store.check_scales(it.key, &it.layout, it.buf.full()));
+        let slot = &mut self.slots[it.slot];
+        slot.buf = Some(it.buf);
+        if slot.state != SlotState::InFlight || slot.key != Some(it.key) {
+            return;
+        }
+        match ok {
+            Ok(()) => {
+                slot.state = SlotState::Ready;
+                slot.tensors = it.layout.tensors;
+                self.policy.on_insert(it.key, it.slot);
+            }
+            Err(_) => {
+                slot.state = SlotState::Empty;
+                slot.key = None;
+                slot.from_prefetch = false;
+                self.stats.prefetch_failures += 1;
+                if self.map.get(&it.key) == Some(&it.slot) {
+                    self.map.remove(&it.key);
                 }
             }
         }
     }
 
-    /// Collect finished prefetch batches; with `until = Some(layer)`, wait until no batch for
-    /// `layer` or an earlier layer is in flight (look-ahead batches for later layers go on).
+    /// Collect finished prefetch reads; with `until = Some(layer)`, wait until no read for
+    /// `layer` or an earlier layer is in flight (look-ahead reads for later layers go on).
     fn poll_prefetches(&mut self, until: Option<usize>) {
         loop {
             let Some(p) = self.prefetcher.as_mut() else {
@@ -754,8 +787,10 @@ impl<'c> ExpertCache<'c> {
             };
             match got {
                 Ok(d) => {
-                    if let Some(p) = self.prefetcher.as_mut() {
-                        p.in_flight.pop_front();
+                    if let Some(p) = self.prefetcher.as_mut()
+                        && let Some(i) = p.in_flight.iter().position(|&l| l == d.item.key.0)
+                    {
+                        p.in_flight.swap_remove(i);
                     }
                     self.finish_prefetch(d);
                 }
@@ -1157,18 +1192,66 @@ impl ExpertSource for ExpertCache<'_> {
                 name: format!("routed expert {id} of layer {layer}"),
                 msg: "not resident after its read (internal error)".to_string(),
             })?;
-            let part = |k: usize| &buf[t[k].0..t[k].0 + t[k].1];
-            out.push(ExpertWeights {
-                expert: id as usize,
-                w1_packed: part(0),
-                w1_scale: part(1),
-                w3_packed: part(2),
-                w3_scale: part(3),
-                w2_packed: part(4),
-                w2_scale: part(5),
-            });
+            out.push(expert_view(id, buf, &t));
         }
         Ok(out)
+    }
+
+    fn reads_ahead(&self) -> bool {
+        self.capacity > 0 && self.prefetch_margin.is_some() && self.prefetch_off.is_none()
+    }
+
+    fn experts_split(
+        &mut self,
+        layer: usize,
+        ids: &[u32],
+        early: &mut dyn FnMut(&[usize], &[ExpertWeights<'_>]),
+    ) -> Result<(Vec<usize>, Vec<ExpertWeights<'_>>), WeightError> {
+        // Reads that landed since the last look, then what is in RAM now.
+        self.poll_prefetches(None);
+        let mut ready = Vec::new();
+        let mut all_known = true;
+        for (i, &id) in ids.iter().enumerate() {
+            match self.map.get(&(layer, id as usize)) {
+                Some(&s) if self.slots[s].state == SlotState::Ready => ready.push((i, s)),
+                Some(_) => {}
+                None => all_known = false,
+            }
+        }
+        if !ready.is_empty() && ready.len() < ids.len() && !ids.windows(2).any(|w| w[0] >= w[1]) {
+            // Nothing to read on demand (every id is ready or in flight): the look-ahead guess
+            // can start now; it queues behind this layer's reads and never evicts them.
+            if all_known && let Some((nl, next)) = self.deferred.take() {
+                self.prefetch(nl, &next);
+            }
+            let at: Vec<usize> = ready.iter().map(|&(i, _)| i).collect();
+            let views: Vec<ExpertWeights<'_>> = ready
+                .iter()
+                .filter_map(|&(i, s)| {
+                    let slot = &self.slots[s];
+                    // still Ready: `prefetch` above never evicts this layer's experts
+                    (slot.state == SlotState::Ready)
+                        .then_some(())
+                        .and(slot.buf.as_ref())
+                        .map(|b| expert_view(ids[i], b.full(), &slot.tensors))
+                })
+                .collect();
+            if views.len() == at.len() {
+                early(&at, &views);
+                drop(views);
+                let all = self.experts(layer, ids)?;
+                let (mut rest_at, mut rest) = (Vec::new(), Vec::new());
+                for (i, v) in all.into_iter().enumerate() {
+                    if !at.contains(&i) {
+                        rest_at.push(i);
+                        rest.push(v);
+                    }
+                }
+                return Ok((rest_at, rest));
+            }
+        }
+        let all = self.experts(layer, ids)?;
+        Ok(((0..ids.len()).collect(), all))
     }
 
     fn stats(&self) -> ExpertStats {
@@ -1207,15 +1290,9 @@ impl ExpertSource for ExpertCache<'_> {
             return;
         }
         self.poll_prefetches(None);
-        if self.prefetcher.is_none() {
-            match Prefetcher::start(Arc::clone(&self.store.files), Arc::clone(&self.store.pool)) {
-                Ok(p) => self.prefetcher = Some(p),
-                Err(e) => {
-                    self.prefetch_off = Some(e);
-                    return;
-                }
-            }
-        }
+        let (files, pool) = (&self.store.files, &self.store.pool);
+        self.prefetcher
+            .get_or_insert_with(|| Prefetcher::new(Arc::clone(files), Arc::clone(pool)));
         // Never evicted for a guess: what the last request used, other guesses still pending,
         // slots in flight, and guessed experts already resident.
         // Nor experts of the layers between the last request and the guessed one: they may be
@@ -1276,24 +1353,9 @@ impl ExpertSource for ExpertCache<'_> {
         if items.is_empty() {
             return;
         }
-        let n = items.len() as u64;
-        let sent = match self.prefetcher.as_mut().and_then(|p| p.jobs.as_ref()) {
-            Some(tx) => tx.send(items).map_err(|e| e.0),
-            None => Err(items),
-        };
-        match sent {
-            Ok(()) => {
-                self.stats.prefetched += n;
-                if let Some(p) = self.prefetcher.as_mut() {
-                    p.in_flight.push_back(layer);
-                }
-            }
-            Err(items) => {
-                for it in items {
-                    self.slots[it.slot].buf = Some(it.buf);
-                }
-                self.abandon_prefetches("the expert prefetch thread stopped".to_string());
-            }
+        self.stats.prefetched += items.len() as u64;
+        if let Some(p) = self.prefetcher.as_mut() {
+            p.send(items);
         }
     }
 }

@@ -89,9 +89,9 @@ pub struct Session<'c> {
     pub pinned_load_seconds: f64,
     /// Seconds spent loading the resident arena ([`ResidentMode::Arena`]; start-up cost), if any.
     pub resident_load_seconds: f64,
-    /// No weight is read from disk per token: the whole trunk is in RAM (resident, or every
-    /// layer pinned) and the routed experts are resident (no expert cache).
-    pub weights_in_ram: bool,
+    /// No trunk layer is read from disk per token: the whole trunk is in RAM (resident, or
+    /// every layer pinned). Routed experts may still stream.
+    pub trunk_in_ram: bool,
 }
 
 /// Build the providers for `settings`, resident parts placed by [`ResidentMode::from_env`].
@@ -246,7 +246,7 @@ pub fn build_with<'c>(
         planned_bytes: planned,
         pinned_load_seconds,
         resident_load_seconds,
-        weights_in_ram: trunk_in_ram && m.cache_budget_bytes.is_none(),
+        trunk_in_ram,
     })
 }
 
@@ -255,11 +255,11 @@ pub const KERNEL_SPIN_ENV: &str = "K3_KERNEL_SPIN_US";
 
 impl Session<'_> {
     /// How long the kernel pool's idle workers spin between dispatches ([`Pool::set_spin`]):
-    /// [`k3_kernels::par::DEFAULT_SPIN`] when every weight is in RAM (compute-bound: the spin
-    /// saves a wake-up per dispatch; resident decode 8% faster on k3-mini), zero when trunk
-    /// layers or experts are read per token (the reader threads need the CPUs between their
-    /// reads: spinning made a ring-slot decode 9% and a pinned one with expert reads 11%
-    /// slower). Never changes a bit.
+    /// [`k3_kernels::par::DEFAULT_SPIN`] when the whole trunk is in RAM (the spin saves a
+    /// wake-up per dispatch: resident decode on k3-mini 0.132 vs 0.144 s/token, pinned trunk
+    /// with streamed experts 0.187 vs 0.196), zero when trunk layers are read per token (the
+    /// trunk's reader threads need the CPUs between their reads: a ring-slot decode ran
+    /// 1.346 vs 1.260 s/token spinning). Never changes a bit.
     ///
     /// [`Pool::set_spin`]: k3_kernels::Pool::set_spin
     /// `K3_KERNEL_SPIN_US` (microseconds) overrides it, for benchmarks.
@@ -270,7 +270,7 @@ impl Session<'_> {
         {
             return std::time::Duration::from_micros(us);
         }
-        if self.weights_in_ram {
+        if self.trunk_in_ram {
             k3_kernels::par::DEFAULT_SPIN
         } else {
             std::time::Duration::ZERO
@@ -288,9 +288,9 @@ impl Session<'_> {
         let why = if std::env::var_os(KERNEL_SPIN_ENV).is_some() {
             KERNEL_SPIN_ENV
         } else if spin.is_zero() {
-            "weights are read per token: the reader threads need the CPUs"
+            "trunk layers are read per token: the reader threads need the CPUs"
         } else {
-            "every weight is in RAM"
+            "the trunk is in RAM"
         };
         Some(if spin.is_zero() {
             format!("kernel workers: sleep between dispatches ({why})")

@@ -131,7 +131,7 @@ pub struct MemArgs {
     /// Speculative expert prefetch with a streamed expert cache: guess each MoE layer's
     /// top-(k + margin) experts ahead of its routing and read them meanwhile. `true` (or no
     /// value): margin 0; a number: that margin; `false`: off. Default: on (margin 0) when the
-    /// whole trunk is in RAM and the cache holds 3 layers of guesses, else off.
+    /// cache holds 3 layers of guesses, else off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL|MARGIN",
           value_parser = parse_prefetch)]
     pub expert_prefetch: Option<PrefetchArg>,

@@ -214,7 +214,11 @@ fn kernel_workers_spin_only_when_the_trunk_is_in_ram() {
     };
     assert_eq!(spin(MemorySettings::default()), DEFAULT_SPIN, "resident");
     assert_eq!(spin(pinned(None)), DEFAULT_SPIN, "every layer pinned");
-    assert_eq!(spin(pinned(Some(1 << 20))), DEFAULT_SPIN, "pinned, experts streamed");
+    assert_eq!(
+        spin(pinned(Some(1 << 20))),
+        DEFAULT_SPIN,
+        "pinned, experts streamed"
+    );
     for cache in [None, Some(1 << 20)] {
         let ring = MemorySettings {
             trunk_budget_bytes: Some(total / 4),

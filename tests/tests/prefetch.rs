@@ -115,11 +115,8 @@ fn bits_identical(spec: &str, seed: u64) {
                 expert_prefetch_auto: auto,
                 ..MemorySettings::default()
             };
-            // The automatic prefetch: whole trunk in RAM and room for 3 layers of guesses.
-            let auto_on = pf.is_none()
-                && auto
-                && trunk_label != "ring"
-                && slots >= 3 * (k + DEFAULT_PREFETCH_MARGIN as u64);
+            // The automatic prefetch: room for 3 layers of guesses (any trunk placement).
+            let auto_on = pf.is_none() && auto && slots >= 3 * (k + DEFAULT_PREFETCH_MARGIN as u64);
             let pf = pf.or(auto_on.then_some(DEFAULT_PREFETCH_MARGIN));
             let (got, _, e) = run_with(&model, &m, &PROMPT, N_GEN, 2);
             let label = format!("{label}, {trunk_label} trunk");

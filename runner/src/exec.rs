@@ -1194,14 +1194,18 @@ impl<'s> Executor<'s> {
         };
         // Overlap only when the routed experts are not all in RAM already.
         let overlap = may_block && !experts.ready(l, &s.ids[..k]);
-        let rest_first = (may_block && !overlap) || (overlap && experts.reads_ahead());
-        if rest_first {
+        let split = overlap && experts.reads_ahead();
+        if (may_block && !overlap) || split {
+            // with `split`: only the latent down-projection now (the routed experts need it);
+            // the shared experts run once the next layer's guess has been issued (below)
+            let shared_now = if split { None } else { w_shared };
+            let (g, u) = if split { (0, 0) } else { (sw, sw) };
             let jobs = rest_jobs(
                 w_latent,
-                w_shared,
+                shared_now,
                 &mut s.z[..dz],
-                &mut s.ff_gate[..sw],
-                &mut s.ff_up[..sw],
+                &mut s.ff_gate[..g],
+                &mut s.ff_up[..u],
             );
             if !jobs.is_empty() {
                 lin_batch(pool, &s.xn, jobs);
@@ -1228,14 +1232,34 @@ impl<'s> Executor<'s> {
         };
         // latent down-projection z = W_down x  [latent] (computed above or alongside below)
         let latent = p.d_latent.is_some();
-        if overlap && experts.reads_ahead() {
-            // Guessed experts are landing one by one: shared experts first (above and here),
-            // then the routed experts already in RAM while the others finish their reads.
-            shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+        if split {
+            // Guessed experts are landing one by one. `experts_split` first issues the next
+            // layer's guess when nothing is read on demand, then hands out the experts already
+            // in RAM: the shared experts and those run while the others finish their reads.
             let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
-            let scratch = &mut s.experts_scratch;
-            let (at, ews) =
-                experts.experts_split(l, &s.ids[..k], &mut |at, ws| run(xin, scratch, at, ws))?;
+            let (xn, scratch) = (&s.xn, &mut s.experts_scratch);
+            let (ff_gate, ff_up, ff_h, tmp_d) =
+                (&mut s.ff_gate, &mut s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+            let mut shared_done = false;
+            let all_shared =
+                |ff_gate: &mut [f32], ff_up: &mut [f32], ff_h: &mut _, tmp_d: &mut _| {
+                    if let Some((g, u)) = w_shared {
+                        lin_batch(
+                            pool,
+                            xn,
+                            vec![(g, &mut ff_gate[..sw]), (u, &mut ff_up[..sw])],
+                        );
+                    }
+                    shared(ff_gate, ff_up, ff_h, tmp_d);
+                };
+            let (at, ews) = experts.experts_split(l, &s.ids[..k], &mut |at, ws| {
+                all_shared(ff_gate, ff_up, ff_h, tmp_d);
+                shared_done = true;
+                run(xin, scratch, at, ws)
+            })?;
+            if !shared_done {
+                all_shared(ff_gate, ff_up, ff_h, tmp_d);
+            }
             run(xin, scratch, &at, &ews);
         } else if may_block {
             let ews: Vec<ExpertWeights<'_>> = if overlap {

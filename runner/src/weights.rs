@@ -195,12 +195,12 @@ pub trait ExpertSource: Send {
     fn reads_ahead(&self) -> bool {
         false
     }
-    /// [`ExpertSource::experts`] in two parts: first the requested experts that are in RAM
-    /// right now go to `early` (their positions in `ids` and their views; it may compute with
-    /// them while the others are still being read), then the call makes the others available
-    /// and returns them (positions and views). Every position is in exactly one of the two;
-    /// bookkeeping (counters, trace, errors) is that of one `experts` call. Default: nothing
-    /// early.
+    /// [`ExpertSource::experts`] in two parts: when some requested experts still have to be
+    /// read, the ones in RAM right now (possibly none) first go to `early` (their positions in
+    /// `ids` and their views; it may compute with them, or do other work, while the others
+    /// are being read), then the call makes the others available and returns them (positions
+    /// and views). Every position is in exactly one of the two; bookkeeping (counters, trace,
+    /// errors) is that of one `experts` call. Default: `early` is not called.
     fn experts_split(
         &mut self,
         layer: usize,

@@ -1218,7 +1218,8 @@ impl ExpertSource for ExpertCache<'_> {
                 None => all_known = false,
             }
         }
-        if !ready.is_empty() && ready.len() < ids.len() && !ids.windows(2).any(|w| w[0] >= w[1]) {
+        // Something left to wait for: `early` runs first (with the ready ones, possibly none).
+        if ready.len() < ids.len() && !ids.windows(2).any(|w| w[0] >= w[1]) {
             // Nothing to read on demand (every id is ready or in flight): the look-ahead guess
             // can start now; it queues behind this layer's reads and never evicts them.
             if all_known && let Some((nl, next)) = self.deferred.take() {

@@ -509,4 +509,26 @@ fn split_hands_out_ready_experts_first_and_the_rest_after() {
         "{s:?} vs {t:?}"
     );
     assert_eq!((s.requests, s.misses, s.prefetch_hits), (7, 3, 2), "{s:?}");
+    // Nothing in RAM yet: `early` still runs first (with no expert), so the caller can work
+    // while the reads land; everything comes back afterwards.
+    let mut calls = Vec::new();
+    let (rest_at, rest) = split
+        .experts_split(l + 1, &[7, 8], &mut |at, ws| {
+            calls.push((at.to_vec(), ws.len()))
+        })
+        .expect("served");
+    assert_eq!(calls, vec![(vec![], 0)]);
+    assert_eq!(rest_at, vec![0, 1]);
+    assert_eq!(
+        rest.iter().map(|w| w.expert).collect::<Vec<_>>(),
+        vec![7, 8]
+    );
+    drop(rest);
+    // Everything in RAM: nothing to wait for, `early` is not called.
+    let mut called = false;
+    let (rest_at, _) = split
+        .experts_split(l + 1, &[7, 8], &mut |_, _| called = true)
+        .expect("served");
+    assert!(!called);
+    assert_eq!(rest_at, vec![0, 1]);
 }

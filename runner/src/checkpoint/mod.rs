@@ -205,7 +205,7 @@ fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {
 
 /// Reject any 0xFF byte in an E8M0 scale tensor read by the caller (streaming path).
 pub fn check_e8m0(file: &Path, tensor: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
-    match bytes.iter().position(|&b| b == 0xFF) {
+    match e8m0_nan_at(bytes) {
         None => Ok(()),
         Some(index) => Err(CheckpointError::E8m0Nan {
             file: file.to_path_buf(),
@@ -213,6 +213,13 @@ pub fn check_e8m0(file: &Path, tensor: &str, bytes: &[u8]) -> Result<(), Checkpo
             index,
         }),
     }
+}
+
+/// Index of the first 0xFF (NaN) byte of an E8M0 scale tensor, if any. SIMD byte search: every
+/// streamed expert's scales are checked on each read (k3-mini: 17.7 MB per token; a byte loop
+/// took ~2% of the pinned-trunk decode's samples).
+pub fn e8m0_nan_at(bytes: &[u8]) -> Option<usize> {
+    memchr::memchr(0xFF, bytes)
 }
 
 fn is_scale_role(role: TensorRole) -> bool {

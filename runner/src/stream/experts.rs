@@ -370,7 +370,7 @@ impl<'c> ExpertStore<'c> {
             if !is_scale(k) {
                 continue;
             }
-            if let Some(i) = buf[pos..pos + len].iter().position(|&b| b == 0xFF) {
+            if let Some(i) = crate::checkpoint::e8m0_nan_at(&buf[pos..pos + len]) {
                 let d = &self.spec.tensors[e.decl[k] as usize];
                 return Err(format!(
                     "tensor {} in {}: E8M0 scale byte 0xFF (NaN) at index {i}",

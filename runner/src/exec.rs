@@ -1195,20 +1195,12 @@ impl<'s> Executor<'s> {
         // Overlap only when the routed experts are not all in RAM already.
         let overlap = may_block && !experts.ready(l, &s.ids[..k]);
         let split = overlap && experts.reads_ahead();
-        if (may_block && !overlap) || split {
-            // with `split`: only the latent down-projection now (the routed experts need it);
-            // the shared experts run once the next layer's guess has been issued (below)
-            let shared_now = if split { None } else { w_shared };
-            let (g, u) = if split { (0, 0) } else { (sw, sw) };
-            let jobs = rest_jobs(
-                w_latent,
-                shared_now,
-                &mut s.z[..dz],
-                &mut s.ff_gate[..g],
-                &mut s.ff_up[..u],
-            );
-            if !jobs.is_empty() {
-                lin_batch(pool, &s.xn, jobs);
+        if may_block && (split || !overlap) {
+            // Only the latent down-projection now (the routed experts need it): with `split`
+            // the shared experts run once the next layer's guess has been issued, and with
+            // every expert in RAM they run mixed with the routed experts (below).
+            if let Some(w) = w_latent {
+                lin(pool, w, &s.xn, &mut s.z[..dz]);
             }
         }
         // Routed experts run in parallel, one task per expert (each task's matvecs on one
@@ -1261,8 +1253,8 @@ impl<'s> Executor<'s> {
                 all_shared(ff_gate, ff_up, ff_h, tmp_d);
             }
             run(xin, scratch, &at, &ews);
-        } else if may_block {
-            let ews: Vec<ExpertWeights<'_>> = if overlap {
+        } else if overlap {
+            let ews: Vec<ExpertWeights<'_>> = {
                 let ids = &s.ids[..k];
                 let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (
                     &s.xn,
@@ -1296,18 +1288,16 @@ impl<'s> Executor<'s> {
                         msg: "the expert fetch panicked (internal error)".to_string(),
                     })
                 })?
-            } else {
-                shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
-                experts.experts(l, &s.ids[..k])?
             };
             let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
             let at: Vec<usize> = (0..k).collect();
             run(xin, &mut s.experts_scratch, &at, &ews);
         } else {
-            // Served from RAM: the routed experts (compute-bound) and the shared experts'
-            // gate/up rows (memory-bound) in ONE dispatch, interleaved, so one thread streams
-            // weights while the other decodes MXFP4 (k3-mini resident: 0.1250 vs 0.1259
-            // s/token, medians of 6 alternating runs; 9 of 11 pairs faster).
+            // Every routed expert in RAM (resident, or already in the cache): the routed
+            // experts (compute-bound) and the shared experts' gate/up rows (memory-bound) in
+            // ONE dispatch, interleaved, so one thread streams weights while the other decodes
+            // MXFP4 (k3-mini resident: 0.1250 vs 0.1259 s/token, medians of 6 alternating
+            // runs; 9 of 11 pairs faster).
             let ews = experts.experts(l, &s.ids[..k])?;
             let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
             let rows: Vec<(TensorBytes<'_>, &mut [f32])> = match w_shared {

@@ -361,18 +361,17 @@ fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
     });
 }
 
-/// The routed experts `ws` (one task each, outputs into consecutive `stride`-sized slots of
-/// `scratch` as in [`Executor::moe`]) and the bf16 matvecs `rows` on input `x` (split into row
-/// chunks of about one expert's time) in ONE dispatch, tasks interleaved: the experts are
-/// compute-bound (MXFP4 decode) and the rows memory-bound, so two threads running one of each
-/// use both the cores and the memory bus. Every output is the same kernel call on the same
-/// input as in separate dispatches (a row is always one canonical dot on one thread), so the
-/// bits do not change.
+/// The routed experts `ws` (one task each; `ws[t]` is the expert routed `at[t]`-th and writes
+/// the `at[t]`-th `scratch.len() / k`-sized slot of `scratch`, see [`Executor::moe`]) and the
+/// bf16 matvecs `rows` on input `x` (split into row chunks of about one expert's time) in ONE
+/// dispatch, tasks interleaved: the experts are compute-bound (MXFP4 decode) and the rows
+/// memory-bound, so two threads running one of each use both the cores and the memory bus.
+/// Every output is the same kernel call on the same input as in separate dispatches (a row is
+/// always one canonical dot on one thread), so the bits do not change.
 fn experts_with_rows(
-    pool: &Pool,
-    serial: &Pool,
-    (act, ff): (Activation, usize),
-    (xin, scratch, ws): (&[f32], &mut [f32], &[ExpertWeights<'_>]),
+    (pool, serial): (&Pool, &Pool),
+    (act, ff, k): (Activation, usize, usize),
+    (xin, scratch, at, ws): (&[f32], &mut [f32], &[usize], &[ExpertWeights<'_>]),
     (x, rows): (&[f32], Vec<(TensorBytes<'_>, &mut [f32])>),
 ) {
     enum Work<'a, 'w> {
@@ -393,12 +392,19 @@ fn experts_with_rows(
             row_tasks.push(Work::Rows(&w[r0 * cols..(r0 + oc.len()) * cols], oc));
         }
     }
-    let stride = scratch.len() / ws.len().max(1);
+    // which[j]: the index in `ws` of the expert routed j-th (None: not in this call)
+    let mut which = vec![None; k];
+    for (t, &j) in at.iter().enumerate() {
+        which[j] = Some(t);
+    }
+    let stride = scratch.len() / k.max(1);
     let mut tasks: Vec<Work<'_, '_>> = Vec::with_capacity(ws.len() + row_tasks.len());
     let mut row_tasks = row_tasks.into_iter();
-    for (ew, buf) in ws.iter().zip(scratch.chunks_mut(stride.max(1))) {
-        tasks.push(Work::Expert(ew, buf));
-        tasks.extend(row_tasks.next());
+    for (j, buf) in scratch.chunks_mut(stride.max(1)).enumerate() {
+        if let Some(t) = which.get(j).copied().flatten() {
+            tasks.push(Work::Expert(&ws[t], buf));
+            tasks.extend(row_tasks.next());
+        }
     }
     tasks.extend(row_tasks);
     pool.for_each_chunk(&mut tasks, 1, |_, t| match &mut t[0] {
@@ -1209,89 +1215,84 @@ impl<'s> Executor<'s> {
         // ascending id (route() returns ids ascending), however they were split in time.
         let stride = 3 * ff + dz;
         let act = spec.activation;
-        let run = |xin: &[f32], scratch: &mut [f32], at: &[usize], ws: &[ExpertWeights<'_>]| {
-            // which[j]: the position in `ws` of the expert routed j-th (usize::MAX: not here)
-            let mut which = vec![usize::MAX; k];
-            for (t, &j) in at.iter().enumerate() {
-                which[j] = t;
-            }
-            let which = &which;
-            pool.for_each_chunk(&mut scratch[..k * stride], stride, |j, buf| {
-                if let Some(ew) = ws.get(which[j]) {
-                    expert_ffn(serial, act, ff, xin, ew, buf);
-                }
-            });
+        // The routed experts at positions `at` (views `ws`) into their scratch slots, mixed with
+        // the shared experts' gate/up rows when `with_shared`.
+        let run = |(xin, xn): (&[f32], &[f32]),
+                   scratch: &mut [f32],
+                   (at, ws): (&[usize], &[ExpertWeights<'_>]),
+                   shared_rows: Option<(&mut [f32], &mut [f32])>| {
+            let rows = match (w_shared, shared_rows) {
+                (Some((g, u)), Some((gate, up))) => vec![(g, &mut gate[..sw]), (u, &mut up[..sw])],
+                _ => Vec::new(),
+            };
+            experts_with_rows(
+                (pool, serial),
+                (act, ff, k),
+                (xin, &mut scratch[..k * stride], at, ws),
+                (xn, rows),
+            );
         };
+        let all: Vec<usize> = (0..k).collect();
         // latent down-projection z = W_down x  [latent] (computed above or alongside below)
-        let latent = p.d_latent.is_some();
+        let xin: &[f32] = if p.d_latent.is_some() {
+            &s.z[..dz]
+        } else {
+            &s.xn
+        };
+        let (xn, scratch) = (&s.xn, &mut s.experts_scratch);
+        let (ff_gate, ff_up, ff_h, tmp_d) =
+            (&mut s.ff_gate, &mut s.ff_up, &mut s.ff_h, &mut s.tmp_d);
         if split {
             // Guessed experts are landing one by one. `experts_split` first issues the next
             // layer's guess when nothing is read on demand, then hands out the experts already
-            // in RAM: the shared experts and those run while the others finish their reads.
-            let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
-            let (xn, scratch) = (&s.xn, &mut s.experts_scratch);
-            let (ff_gate, ff_up, ff_h, tmp_d) =
-                (&mut s.ff_gate, &mut s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+            // in RAM: those and the shared experts run while the others finish their reads.
             let mut shared_done = false;
-            let all_shared =
-                |ff_gate: &mut [f32], ff_up: &mut [f32], ff_h: &mut _, tmp_d: &mut _| {
-                    if let Some((g, u)) = w_shared {
-                        lin_batch(
-                            pool,
-                            xn,
-                            vec![(g, &mut ff_gate[..sw]), (u, &mut ff_up[..sw])],
-                        );
-                    }
-                    shared(ff_gate, ff_up, ff_h, tmp_d);
-                };
             let (at, ews) = experts.experts_split(l, &s.ids[..k], &mut |at, ws| {
-                all_shared(ff_gate, ff_up, ff_h, tmp_d);
-                shared_done = true;
-                run(xin, scratch, at, ws)
-            })?;
-            if !shared_done {
-                all_shared(ff_gate, ff_up, ff_h, tmp_d);
-            }
-            run(xin, scratch, &at, &ews);
-        } else if overlap {
-            let ews: Vec<ExpertWeights<'_>> = {
-                let ids = &s.ids[..k];
-                let (xn, z, ff_gate, ff_up, ff_h, tmp_d) = (
-                    &s.xn,
-                    &mut s.z,
-                    &mut s.ff_gate,
-                    &mut s.ff_up,
-                    &mut s.ff_h,
-                    &mut s.tmp_d,
+                run(
+                    (xin, xn),
+                    scratch,
+                    (at, ws),
+                    Some((&mut *ff_gate, &mut *ff_up)),
                 );
-                let fetcher = fetch.as_ref().map_err(|e| WeightError::Invalid {
+                shared(ff_gate, ff_up, ff_h, tmp_d);
+                shared_done = true;
+            })?;
+            let rows = (!shared_done).then_some((&mut ff_gate[..], &mut ff_up[..]));
+            run((xin, xn), scratch, (&at, &ews), rows);
+            if !shared_done {
+                shared(ff_gate, ff_up, ff_h, tmp_d);
+            }
+        } else if overlap {
+            // Prefetch off: wait for the experts on the fetch thread while the pool computes
+            // the latent down-projection and the shared experts.
+            let ids = &s.ids[..k];
+            let z = &mut s.z;
+            let fetcher = fetch.as_ref().map_err(|e| WeightError::Invalid {
+                name: format!("routed experts of layer {l}"),
+                msg: format!("cannot start the expert fetch thread: {e}"),
+            })?;
+            let mut got = None;
+            fetcher.run_alongside(Box::new(|| got = Some(experts.experts(l, ids))), || {
+                let jobs = rest_jobs(
+                    w_latent,
+                    w_shared,
+                    &mut z[..dz],
+                    &mut ff_gate[..sw],
+                    &mut ff_up[..sw],
+                );
+                if !jobs.is_empty() {
+                    lin_batch(pool, xn, jobs);
+                }
+                shared(ff_gate, ff_up, ff_h, tmp_d);
+            });
+            let ews = got.unwrap_or_else(|| {
+                Err(WeightError::Invalid {
                     name: format!("routed experts of layer {l}"),
-                    msg: format!("cannot start the expert fetch thread: {e}"),
-                })?;
-                let mut got = None;
-                fetcher.run_alongside(Box::new(|| got = Some(experts.experts(l, ids))), || {
-                    let jobs = rest_jobs(
-                        w_latent,
-                        w_shared,
-                        &mut z[..dz],
-                        &mut ff_gate[..sw],
-                        &mut ff_up[..sw],
-                    );
-                    if !jobs.is_empty() {
-                        lin_batch(pool, xn, jobs);
-                    }
-                    shared(ff_gate, ff_up, ff_h, tmp_d);
-                });
-                got.unwrap_or_else(|| {
-                    Err(WeightError::Invalid {
-                        name: format!("routed experts of layer {l}"),
-                        msg: "the expert fetch panicked (internal error)".to_string(),
-                    })
-                })?
-            };
-            let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
-            let at: Vec<usize> = (0..k).collect();
-            run(xin, &mut s.experts_scratch, &at, &ews);
+                    msg: "the expert fetch panicked (internal error)".to_string(),
+                })
+            })?;
+            let xin: &[f32] = if p.d_latent.is_some() { &z[..dz] } else { xn };
+            run((xin, xn), scratch, (&all, &ews), None);
         } else {
             // Every routed expert in RAM (resident, or already in the cache): the routed
             // experts (compute-bound) and the shared experts' gate/up rows (memory-bound) in
@@ -1299,20 +1300,14 @@ impl<'s> Executor<'s> {
             // MXFP4 (k3-mini resident: 0.1250 vs 0.1259 s/token, medians of 6 alternating
             // runs; 9 of 11 pairs faster).
             let ews = experts.experts(l, &s.ids[..k])?;
-            let xin: &[f32] = if latent { &s.z[..dz] } else { &s.xn };
-            let rows: Vec<(TensorBytes<'_>, &mut [f32])> = match w_shared {
-                Some((g, u)) => vec![(g, &mut s.ff_gate[..sw]), (u, &mut s.ff_up[..sw])],
-                None => Vec::new(),
-            };
-            experts_with_rows(
-                pool,
-                serial,
-                (act, ff),
-                (xin, &mut s.experts_scratch[..k * stride], &ews),
-                (&s.xn, rows),
+            run(
+                (xin, xn),
+                scratch,
+                (&all, &ews),
+                Some((&mut *ff_gate, &mut *ff_up)),
             );
             drop(ews);
-            shared(&s.ff_gate, &s.ff_up, &mut s.ff_h, &mut s.tmp_d);
+            shared(ff_gate, ff_up, ff_h, tmp_d);
         }
         s.acc[..dz].fill(0.0);
         for j in 0..k {

@@ -532,3 +532,83 @@ fn split_hands_out_ready_experts_first_and_the_rest_after() {
     assert!(!called);
     assert_eq!(rest_at, vec![0, 1]);
 }
+
+/// Records the executor's expert calls around resident experts that ask for guesses.
+struct Recorder<'c> {
+    inner: Box<dyn ExpertSource + 'c>,
+    /// ("guess" | "ahead" | "serve", layer) in call order.
+    calls: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, usize)>>>,
+}
+
+impl ExpertSource for Recorder<'_> {
+    fn experts(
+        &mut self,
+        layer: usize,
+        ids: &[u32],
+    ) -> Result<Vec<k3_run::weights::ExpertWeights<'_>>, k3_run::weights::WeightError> {
+        self.calls.lock().unwrap().push(("serve", layer));
+        self.inner.experts(layer, ids)
+    }
+    fn stats(&self) -> k3_run::weights::ExpertStats {
+        self.inner.stats()
+    }
+    fn prefetch(&mut self, layer: usize, _ids: &[u32]) {
+        self.calls.lock().unwrap().push(("guess", layer));
+    }
+    fn prefetch_after_next(&mut self, layer: usize, _ids: &[u32]) {
+        self.calls.lock().unwrap().push(("ahead", layer));
+    }
+    fn prefetch_margin(&self) -> Option<usize> {
+        Some(DEFAULT_PREFETCH_MARGIN)
+    }
+}
+
+/// In decode, the look-ahead guess made during MoE layer L is for the SECOND MoE layer after L
+/// (`exec::DEFAULT_LOOKAHEAD_DEPTH`), so about two layers of reads are queued; only the MoE
+/// layers no earlier layer guessed get a guess before their own attention. A prompt of several
+/// tokens guesses no layer ahead.
+#[test]
+fn look_ahead_guesses_two_moe_layers_ahead_in_decode() {
+    assert_eq!(k3_run::exec::DEFAULT_LOOKAHEAD_DEPTH, 2);
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let moe: Vec<usize> = (0..spec.n_layers)
+        .filter(|&l| spec.layers[l].ffn == k3_models::spec::FfnKind::Moe)
+        .collect();
+    assert!(moe.len() >= 4, "the fixture needs 4 MoE layers: {moe:?}");
+    let mut w = k3_conformance::resident(&spec, &ckpt);
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    w.experts = Box::new(Recorder {
+        inner: std::mem::replace(
+            &mut w.experts,
+            Box::new(k3_run::resident::ResidentExperts::new(&spec, &ckpt)),
+        ),
+        calls: std::sync::Arc::clone(&calls),
+    });
+    let mut exec = k3_conformance::executor(&spec, 8, 2);
+    let mut state = k3_run::exec::SeqState::new(&spec);
+    let mut logits = vec![0.0f32; spec.vocab_size];
+    exec.prefill(&[3, 14], &mut state, &mut w, &mut logits)
+        .expect("prompt");
+    let prompt: Vec<_> = calls.lock().unwrap().drain(..).collect();
+    assert!(
+        !prompt.iter().any(|c| c.0 == "ahead"),
+        "no look-ahead in a prompt chunk: {prompt:?}"
+    );
+    exec.step(15, &mut state, &mut w, &mut logits)
+        .expect("decode");
+    let got: Vec<_> = calls.lock().unwrap().clone();
+    // expected: guesses before attention for the first two MoE layers, then at every MoE
+    // layer L (before serving it) a look-ahead for the MoE layer two after it
+    let mut want = Vec::new();
+    for (i, &l) in moe.iter().enumerate() {
+        if i < 2 {
+            want.push(("guess", l));
+        }
+        if let Some(&ahead) = moe.get(i + 2) {
+            want.push(("ahead", ahead));
+        }
+        want.push(("serve", l));
+    }
+    assert_eq!(got, want);
+}

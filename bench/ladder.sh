@@ -96,6 +96,12 @@ while read -r name cap args; do
     args="${args//@DC@/$DC}"
     args="${args//@ALL@/$ALL}"
     key="$name-cap$cap"
+    # a row repeated in the table (e.g. resident first and last) gets its own files
+    n=2
+    while grep -q "^$key	" "$out/rows.tsv"; do
+        key="$name-cap$cap-$n"
+        n=$((n + 1))
+    done
     printf '%s\t%s\t%s\t%s\n' "$key" "$name" "$cap" "$args" >> "$out/rows.tsv"
     # shellcheck disable=SC2206
     argv=($args)

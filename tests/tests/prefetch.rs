@@ -181,6 +181,22 @@ fn moe_layer(spec: &k3_models::spec::ModelSpec) -> usize {
         .expect("a MoE layer")
 }
 
+/// The "tiny" synthetic model (directory, spec, checkpoint), its first MoE layer and the buffer bytes of
+/// one expert: the set-up of the cache-level tests below.
+fn tiny_moe() -> (
+    PathBuf,
+    k3_models::spec::ModelSpec,
+    k3_run::checkpoint::Checkpoint,
+    usize,
+    u64,
+) {
+    let (model, _) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let l = moe_layer(&spec);
+    let per = expert_buf_bytes(&model);
+    (model, spec, ckpt, l, per)
+}
+
 /// Bytes one expert read costs (every synthetic expert has the same shapes), measured with a
 /// plain demand read.
 fn bytes_per_read(
@@ -198,10 +214,7 @@ fn bytes_per_read(
 
 #[test]
 fn prefetch_served_requests_are_not_resident_hits() {
-    let (model, _) = synth_and_pack("tiny", 1, &dir());
-    let (spec, ckpt) = open_model(&model);
-    let l = moe_layer(&spec);
-    let per = expert_buf_bytes(&model);
+    let (model, spec, ckpt, l, per) = tiny_moe();
     let one = bytes_per_read(&spec, &ckpt, l);
     let mut c = cache_with(&spec, &ckpt, 8 * per);
     // Token 1: guess {1, 2, 3}; routing picks {1, 3, 7}.
@@ -262,10 +275,7 @@ fn prefetch_served_requests_are_not_resident_hits() {
 
 #[test]
 fn tiny_caches_neither_deadlock_nor_read_twice() {
-    let (model, _) = synth_and_pack("tiny", 1, &dir());
-    let (spec, ckpt) = open_model(&model);
-    let l = moe_layer(&spec);
-    let per = expert_buf_bytes(&model);
+    let (model, spec, ckpt, l, per) = tiny_moe();
     // Bytes each expert's read costs (rounded-out runs differ by a few KB between experts).
     let mut sizes = Vec::new();
     for layer in [l, l + 1] {
@@ -402,10 +412,7 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
 /// layer without the overlap thread); a guess still being read is not ready until it lands.
 #[test]
 fn ready_only_when_every_expert_is_in_a_ready_slot() {
-    let (model, _) = synth_and_pack("tiny", 1, &dir());
-    let (spec, ckpt) = open_model(&model);
-    let l = moe_layer(&spec);
-    let per = expert_buf_bytes(&model);
+    let (_, spec, ckpt, l, per) = tiny_moe();
     let mut c = cache_with(&spec, &ckpt, 8 * per);
     c.begin_token();
     assert!(!c.ready(l, &[1, 2]), "nothing cached yet");
@@ -439,10 +446,7 @@ fn ready_only_when_every_expert_is_in_a_ready_slot() {
 /// bytes as a cache without room, and the same counters as one `experts` call on a twin cache.
 #[test]
 fn split_hands_out_ready_experts_first_and_the_rest_after() {
-    let (model, _) = synth_and_pack("tiny", 1, &dir());
-    let (spec, ckpt) = open_model(&model);
-    let l = moe_layer(&spec);
-    let per = expert_buf_bytes(&model);
+    let (_, spec, ckpt, l, per) = tiny_moe();
     let mut reference = cache_with(&spec, &ckpt, 0);
     assert!(!reference.reads_ahead(), "no room: nothing is read ahead");
     let ids = [1u32, 2, 3, 4, 5];

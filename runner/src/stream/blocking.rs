@@ -259,6 +259,13 @@ mod tests {
             .collect()
     }
 
+    /// A batch of `n` tasks still runs to the end on `pool` (after a panic, say).
+    fn still_serves(pool: &IoThreads, n: usize) {
+        let c = AtomicUsize::new(0);
+        pool.run(counting(&c, n));
+        assert_eq!(c.load(Ordering::SeqCst), n);
+    }
+
     #[test]
     fn spawned_tasks_run_without_a_wait_and_survive_a_panic() {
         let pool = IoThreads::new(2, "t").expect("threads start");
@@ -274,9 +281,7 @@ mod tests {
         got.sort_unstable();
         assert_eq!(got, (0..20).collect::<Vec<_>>());
         // the threads are still there after the panic
-        let c = AtomicUsize::new(0);
-        pool.run(counting(&c, 5));
-        assert_eq!(c.load(Ordering::SeqCst), 5);
+        still_serves(&pool, 5);
     }
 
     #[test]
@@ -312,9 +317,7 @@ mod tests {
         pool.run(tasks);
         assert_eq!(ran.load(Ordering::SeqCst), 9);
         // Both threads still serve a later batch.
-        let again = AtomicUsize::new(0);
-        pool.run(counting(&again, 8));
-        assert_eq!(again.load(Ordering::SeqCst), 8);
+        still_serves(&pool, 8);
     }
 
     #[test]

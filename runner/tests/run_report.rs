@@ -113,6 +113,17 @@ fn pinned_run_reports_time_to_first_token_including_the_pinned_load() {
         ttft <= wall,
         "time to first token {ttft} longer than the whole process ({wall} s)"
     );
+    // The whole trunk is pinned and the experts resident: nothing is read while the run's
+    // clock runs, so the I/O share is 0 although the trunk's read seconds hold the load.
+    let trunk_read = v["trunk"]["read_seconds"]
+        .as_f64()
+        .expect("trunk.read_seconds");
+    assert!(trunk_read >= pinned, "{trunk_read} vs pinned load {pinned}");
+    assert_eq!(
+        num(&v, "io_share"),
+        0.0,
+        "start-up load counted in io_share"
+    );
     let stdout = String::from_utf8_lossy(&o.stdout);
     let line = stdout
         .lines()

@@ -9,8 +9,9 @@
 //! ascending `c`, then the fixed pairwise tree over the 16 lanes. Weights are widened exactly
 //! first (bf16: `bits << 16`; MXFP4: `E2M1[nibble] * 2^(scale - 127)`, exact in f32).
 //!
-//! **Threads**: rows are split into chunks of whole rows (`par::row_chunk`); a row is always
-//! computed by one task, so the bits are identical for any `Pool`.
+//! **Threads**: rows are split into chunks of whole rows (`par::stream_row_chunk` for the
+//! memory-bound bf16/f32 kernels: at least 1 MB of weights per task; `par::row_chunk` for
+//! MXFP4); a row is always computed by one task, so the bits are identical for any `Pool`.
 //!
 //! **MXFP4 layout** (OCP MX, compressed-tensors): `packed` is `[rows, cols/2]` bytes, element
 //! `2j` in the LOW nibble of byte `j`, `2j+1` in the high nibble; `scales` is `[rows, cols/32]`
@@ -18,7 +19,7 @@
 //! must be rejected at load time with [`validate_e8m0`].
 
 use crate::isa::{Isa, active, resolve};
-use crate::par::{Pool, row_chunk};
+use crate::par::{Pool, row_chunk, stream_row_chunk};
 use crate::reduce::{self, LANES, tree16};
 
 /// E2M1 code -> value; bit 3 is the sign (code 8 is -0.0).
@@ -111,7 +112,7 @@ pub fn matvec_bf16_with(isa: Isa, pool: &Pool, w: &[u16], x: &[f32], out: &mut [
     let (rows, cols) = (out.len(), x.len());
     assert_eq!(w.len(), rows * cols, "matvec_bf16: w.len() != rows * cols");
     let isa = resolve(isa);
-    let chunk = row_chunk(rows, pool.n_threads());
+    let chunk = stream_row_chunk(rows, cols * 2, pool.n_threads());
     pool.for_each_chunk(out, chunk, |i, o| {
         let r0 = i * chunk;
         crate::simd::rows_bf16(isa, &w[r0 * cols..(r0 + o.len()) * cols], x, o);
@@ -128,7 +129,7 @@ pub fn matvec_f32_with(isa: Isa, pool: &Pool, w: &[f32], x: &[f32], out: &mut [f
     let (rows, cols) = (out.len(), x.len());
     assert_eq!(w.len(), rows * cols, "matvec_f32: w.len() != rows * cols");
     let isa = resolve(isa);
-    let chunk = row_chunk(rows, pool.n_threads());
+    let chunk = stream_row_chunk(rows, cols * 4, pool.n_threads());
     pool.for_each_chunk(out, chunk, |i, o| {
         let r0 = i * chunk;
         crate::simd::rows_f32(isa, &w[r0 * cols..(r0 + o.len()) * cols], x, o);

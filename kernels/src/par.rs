@@ -368,13 +368,34 @@ impl<T> SendPtr<T> {
     }
 }
 
-/// Rows per task for a row-parallel kernel: about 8 tasks per thread, a multiple of 8 rows.
-/// The value never affects results (each row is computed whole by one task).
+/// Fewest weight bytes a task of a row-parallel matvec streams, unless that would leave a
+/// thread without a task. A task's rows are one contiguous stretch of memory; shorter stretches
+/// lose DRAM bandwidth to each stream's ramp-up (hardware prefetchers start over at every
+/// jump). Measured on k3-mini, resident decode (docs/PERFORMANCE.md, fifth session): 64 KB tasks
+/// 0.129 s/token, 256 KB 0.119, 1 MB 0.111, 4 MB 0.112.
+pub const MIN_TASK_BYTES: usize = 1 << 20;
+
+/// Rows per task for a compute-bound row-parallel kernel (MXFP4): about 8 tasks per thread,
+/// a multiple of 8 rows. The value never affects results (each row is computed whole by one
+/// task).
 pub(crate) fn row_chunk(rows: usize, n_threads: usize) -> usize {
     if n_threads <= 1 {
         return rows.max(1);
     }
     let per = rows.div_ceil(n_threads * 8);
+    per.div_ceil(8).max(1) * 8
+}
+
+/// Rows per task for a memory-bound row-parallel kernel whose rows are `row_bytes` each: like
+/// [`row_chunk`], but at least [`MIN_TASK_BYTES`] of weights per task, and at most an equal
+/// share per thread (every thread gets work); a multiple of 8 rows. Never affects results.
+pub fn stream_row_chunk(rows: usize, row_bytes: usize, n_threads: usize) -> usize {
+    if n_threads <= 1 {
+        return rows.max(1);
+    }
+    let balance = rows.div_ceil(n_threads * 8);
+    let stream = MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
+    let per = balance.max(stream).min(rows.div_ceil(n_threads));
     per.div_ceil(8).max(1) * 8
 }
 
@@ -494,12 +515,29 @@ mod tests {
     fn row_chunk_is_positive_multiple_of_8() {
         for rows in [0, 1, 7, 100, 12288] {
             for n in [1, 2, 3, 8] {
-                let c = row_chunk(rows, n);
-                assert!(c >= 1);
-                if n > 1 {
-                    assert_eq!(c % 8, 0);
+                let mut chunks = vec![row_chunk(rows, n)];
+                for row_bytes in [1, 2048, 14336, 1 << 22] {
+                    chunks.push(stream_row_chunk(rows, row_bytes, n));
+                }
+                for c in chunks {
+                    assert!(c >= 1);
+                    if n > 1 {
+                        assert_eq!(c % 8, 0);
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn row_chunk_streams_a_megabyte_but_feeds_every_thread() {
+        // k3-mini q_proj (2048 rows of 2 KB): 512-row (1 MB) tasks, 4 for 2 threads
+        assert_eq!(stream_row_chunk(2048, 2048, 2), 512);
+        // K3 down_proj-like (7168 rows of 36 KB): ~8 tasks per thread already stream > 1 MB
+        assert_eq!(stream_row_chunk(7168, 36864, 2), 448);
+        // a small matrix: 1 MB would be one task; split so both threads work
+        assert_eq!(stream_row_chunk(128, 2048, 2), 64);
+        // one thread: everything
+        assert_eq!(stream_row_chunk(300, 2048, 1), 300);
     }
 }

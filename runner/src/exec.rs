@@ -18,7 +18,8 @@
 
 use std::borrow::Cow;
 
-use k3_kernels::{attn, attnres, kda, matvec, ops, par::Pool, router};
+use k3_kernels::par::{Pool, stream_row_chunk};
+use k3_kernels::{attn, attnres, kda, matvec, ops, router};
 use k3_models::spec::{
     Activation, AttnKind, DType, FfnKind, KdaGateSpec, ModelSpec, RouterScoring, TensorRole,
 };
@@ -337,9 +338,6 @@ fn lin(pool: &Pool, w: TensorBytes<'_>, x: &[f32], out: &mut [f32]) {
     matvec::matvec_bf16(pool, &bf16_bits(w), x, out);
 }
 
-/// Rows of one task in [`lin_batch`]: small enough to balance, large enough to amortise.
-const ROWS_PER_TASK: usize = 32;
-
 /// Several bf16 matvecs over the same input `x` in ONE parallel dispatch (row chunks of every
 /// matrix are the tasks). Each output row is still one canonical dot product computed by one
 /// thread, so the bits equal those of separate [`lin`] calls for any thread count; it only
@@ -349,8 +347,10 @@ fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
     let ws: Vec<Cow<'_, [u16]>> = jobs.iter().map(|(t, _)| bf16_bits(*t)).collect();
     let mut tasks: Vec<(&[u16], &mut [f32])> = Vec::new();
     for (w, (_, out)) in ws.iter().zip(jobs) {
-        for (i, oc) in out.chunks_mut(ROWS_PER_TASK).enumerate() {
-            let r0 = i * ROWS_PER_TASK;
+        // tasks of >= 1 MB of one matrix's rows: each a contiguous stream (par::MIN_TASK_BYTES)
+        let per = stream_row_chunk(out.len(), cols * 2, pool.n_threads());
+        for (i, oc) in out.chunks_mut(per).enumerate() {
+            let r0 = i * per;
             tasks.push((&w[r0 * cols..(r0 + oc.len()) * cols], oc));
         }
     }
@@ -384,7 +384,7 @@ fn experts_with_rows(
     let total_rows: usize = rows.iter().map(|(_, o)| o.len()).sum();
     let per = total_rows
         .div_ceil(ws.len().max(1))
-        .max(ROWS_PER_TASK)
+        .max(stream_row_chunk(total_rows, cols * 2, pool.n_threads()))
         .next_multiple_of(8);
     let mut row_tasks = Vec::new();
     for (w, (_, out)) in ws_bits.iter().zip(rows) {

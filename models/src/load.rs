@@ -596,6 +596,7 @@ fn assemble(
             .as_ref()
             .map(|c| c.ignore_prefixes.clone())
             .unwrap_or_default(),
+        truncated_from: None,
         index: TensorIndex::default(),
     }
 }

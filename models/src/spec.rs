@@ -456,6 +456,9 @@ pub struct ModelSpec {
     /// checkpoint tensor that is neither declared in `tensors` nor under one of these
     /// prefixes is unexpected.
     pub ignored_tensor_prefixes: Vec<String>,
+    /// `Some(n)` when this spec binds only its first `n_layers` of the `n` layers the config
+    /// declares ([`ModelSpec::first_layers`], `--layers N`).
+    pub truncated_from: Option<usize>,
     /// Position index over `tensors` for [`ModelSpec::tensor`]; rebuilt with
     /// [`ModelSpec::rebuild_index`] after editing `tensors` by hand.
     #[serde(skip)]
@@ -584,6 +587,44 @@ impl ModelSpec {
         self.index = TensorIndex::build(&self.tensors, self.n_layers).unwrap_or_default();
     }
 
+    /// The same model bound to its first `n` layers only (`--layers N`, a diagnostic for
+    /// partial shard sets): layer kinds, dimensions and global tensors unchanged; the declared
+    /// tensors of layers `n..` dropped and their checkpoint names ignored (each dropped layer's
+    /// common name prefix joins `ignored_tensor_prefixes`), so a checkpoint may hold them or
+    /// not. `n == n_layers` returns the spec unchanged.
+    pub fn first_layers(&self, n: usize) -> Result<ModelSpec, String> {
+        if n == 0 || n > self.n_layers {
+            return Err(format!(
+                "--layers {n}: model {} has {} layers; bind 1..={} of them",
+                self.name, self.n_layers, self.n_layers
+            ));
+        }
+        let mut s = self.clone();
+        if n == self.n_layers {
+            return Ok(s);
+        }
+        for l in n..self.n_layers {
+            let names: Vec<&str> = self
+                .tensors
+                .iter()
+                .filter(|t| t.layer == Some(l))
+                .map(|t| t.name.as_str())
+                .collect();
+            match dotted_prefix(&names) {
+                Some(p) => s.ignored_tensor_prefixes.push(p.to_string()),
+                None => s
+                    .ignored_tensor_prefixes
+                    .extend(names.iter().map(|n| n.to_string())),
+            }
+        }
+        s.tensors.retain(|t| t.layer.is_none_or(|l| l < n));
+        s.layers.truncate(n);
+        s.n_layers = n;
+        s.truncated_from = Some(self.truncated_from.unwrap_or(self.n_layers));
+        s.rebuild_index();
+        Ok(s)
+    }
+
     /// Layer indices whose attention block is `kind`, ascending.
     pub fn layers_with_attn(&self, kind: AttnKind) -> Vec<usize> {
         self.layers
@@ -628,6 +669,23 @@ impl ModelSpec {
     pub fn count_dtype(&self, dtype: DType) -> usize {
         self.tensors.iter().filter(|t| t.dtype == dtype).count()
     }
+}
+
+/// The longest common prefix of `names` that ends with a `.` (so `layers.5.` never covers
+/// `layers.50.`); `None` for no names or no such prefix.
+fn dotted_prefix<'a>(names: &[&'a str]) -> Option<&'a str> {
+    let first = *names.first()?;
+    let mut len = first.len();
+    for n in &names[1..] {
+        len = first
+            .bytes()
+            .zip(n.bytes())
+            .take(len)
+            .take_while(|(a, b)| a == b)
+            .count();
+    }
+    let cut = first[..len].rfind('.')? + 1;
+    Some(&first[..cut])
 }
 
 impl ModelSpec {

@@ -256,3 +256,42 @@ fn summary_snapshot() {
     let spec = common::load("kimi-k3", "kimi-k3-config.json");
     insta::assert_snapshot!("kimi_k3_summary", spec.summary());
 }
+
+/// `--layers N` on the real K3 layout: the first N layers keep their kinds, every declared
+/// tensor of a later layer is dropped and covered by an ignored prefix that covers no kept
+/// tensor (layer 5's prefix must not swallow layer 50), and the bounds are refused.
+#[test]
+fn first_layers_binds_a_prefix_of_the_layer_map() {
+    let spec = common::load("kimi-k3", "kimi-k3-config.json");
+    let n = 6;
+    let part = spec.first_layers(n).expect("6 of 93 layers");
+    assert_eq!(part.n_layers, n);
+    assert_eq!(part.truncated_from, Some(spec.n_layers));
+    assert_eq!(&part.layers[..], &spec.layers[..n], "layer kinds unchanged");
+    let ignored = |name: &str| {
+        part.ignored_tensor_prefixes
+            .iter()
+            .any(|p| name.starts_with(p.as_str()))
+    };
+    let bound: std::collections::HashSet<&str> =
+        part.tensors.iter().map(|t| t.name.as_str()).collect();
+    for t in &spec.tensors {
+        let kept = t.layer.is_none_or(|l| l < n);
+        assert_eq!(bound.contains(t.name.as_str()), kept, "{}", t.name);
+        assert_eq!(ignored(&t.name), !kept, "{} ignored?", t.name);
+    }
+    // the O(1) index was rebuilt for the kept tensors
+    let d = &part.tensors[part.tensors.len() - 1];
+    assert_eq!(
+        part.tensor(d.role, d.layer, d.expert).map(|t| &t.name),
+        Some(&d.name)
+    );
+    assert_eq!(spec.first_layers(spec.n_layers).as_ref(), Ok(&spec));
+    for bad in [0, spec.n_layers + 1] {
+        let e = spec.first_layers(bad).expect_err("out of range");
+        assert!(
+            e.contains(&format!("--layers {bad}")) && e.contains("93"),
+            "{e}"
+        );
+    }
+}

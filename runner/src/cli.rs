@@ -232,6 +232,10 @@ pub struct RunArgs {
     /// config.json if the name does not end in .toml (default MODEL_DIR/config.json).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Bind only the first N layers (a diagnostic for partial shard sets: shards that hold
+    /// only later layers may be missing). The output is not the whole model's.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
 }
 
 /// A failure with its exit code.
@@ -461,7 +465,11 @@ pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
     } else {
         a.config.as_deref()
     };
-    load_spec(model_dir, manifest.as_deref(), config)
+    let spec = load_spec(model_dir, manifest.as_deref(), config)?;
+    match a.layers {
+        Some(n) => spec.first_layers(n).map_err(Failure::usage),
+        None => Ok(spec),
+    }
 }
 
 /// Worker threads: --threads, else the run config's, else physical cores.
@@ -587,6 +595,12 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         threads,
         k3_kernels::isa::active().name()
     );
+    if let Some(all) = spec.truncated_from {
+        eprintln!(
+            "--layers {}: only the first {} of {all} layers are bound (a diagnostic: the output is not the whole model's)",
+            spec.n_layers, spec.n_layers
+        );
+    }
     for n in &notes {
         eprintln!("{n}");
     }
@@ -773,6 +787,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "first_logits_hash": res.first_logits_hash,
         "incremental": a.incremental,
         "threads": threads,
+        "layers_bound": spec.n_layers,
+        "layers_in_model": spec.truncated_from.unwrap_or(spec.n_layers),
         "isa": k3_kernels::isa::active().name(),
         "prefill_seconds": res.prefill_seconds,
         "first_token_seconds": res.first_token_seconds,

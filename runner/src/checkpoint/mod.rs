@@ -248,7 +248,7 @@ impl Checkpoint {
         spec: &ModelSpec,
         opts: &OpenOptions,
     ) -> Result<Checkpoint, CheckpointError> {
-        let ck = Self::open_unchecked(dir)?;
+        let ck = Self::open_files(dir, Some(spec))?;
         ck.check_against_spec(spec)?;
         ck.check_a_log(spec)?;
         if opts.validate_expert_scales {
@@ -262,6 +262,13 @@ impl Checkpoint {
     /// Open `dir` checking only the files (index, headers, ranges), not a model. For tools
     /// that inspect a checkpoint before a spec exists.
     pub fn open_unchecked(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+        Self::open_files(dir, None)
+    }
+
+    /// The files of `dir`. With a spec, a shard the index names may be missing when every
+    /// tensor the index maps to it is one the spec ignores (a partial shard set under
+    /// `--layers N`); it is then not opened at all.
+    fn open_files(dir: &Path, spec: Option<&ModelSpec>) -> Result<Checkpoint, CheckpointError> {
         let index_path = dir.join(INDEX_FILE);
         let single = dir.join(SINGLE_FILE);
         let index = if index_path.is_file() {
@@ -289,6 +296,10 @@ impl Checkpoint {
         let mut table = Table::default();
         // Every shard the index names must exist before any header is judged, so an index
         // pointing at a missing file is reported as that, not as a mismatch elsewhere.
+        let not_needed = |names: &[&str]| {
+            spec.is_some_and(|sp| !names.is_empty() && names.iter().all(|n| is_ignored(sp, n)))
+        };
+        by_file.retain(|file_name, names| dir.join(file_name).is_file() || !not_needed(names));
         for (file_name, names) in &by_file {
             let path = dir.join(file_name);
             if !path.is_file() {

@@ -493,13 +493,15 @@ impl TrunkManifest {
                 self.format, self.version
             ));
         }
-        if self.n_layers != spec.n_layers || self.layers.len() != spec.n_layers {
+        // Under `--layers N` the spec binds the first N of the packed layers.
+        let model_layers = spec.truncated_from.unwrap_or(spec.n_layers);
+        if self.n_layers != model_layers || self.layers.len() != model_layers {
             return Err(format!(
                 "packed {} layers ({} entries) but the model {} has {}",
                 self.n_layers,
                 self.layers.len(),
                 spec.name,
-                spec.n_layers
+                model_layers
             ));
         }
         if self.align == 0
@@ -532,6 +534,9 @@ impl TrunkManifest {
                         pl.offset, pl.size, self.file_bytes
                     )
                 })?;
+            if i >= spec.n_layers {
+                continue; // not bound (`--layers N`): only its range is checked
+            }
             let decls = layer_trunk_decls(spec, i);
             if decls.len() != pl.tensors.len() {
                 return Err(format!(

@@ -227,7 +227,8 @@ impl StreamedTrunk {
         let active = opts
             .active_layers
             .unwrap_or(manifest.n_layers)
-            .min(manifest.n_layers);
+            .min(manifest.n_layers)
+            .min(spec.n_layers);
         let sizes = manifest.layer_sizes();
         let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);

@@ -17,7 +17,9 @@
 //! the spec's `ignored_tensor_prefixes` (for K3 the manifest lists `vision_tower.` and
 //! `mm_projector.`: the MoonViT tower and projector a text-only engine does not use). Ignored
 //! tensors' headers are range-checked like any other, but they are not required, not bound
-//! and not reported as unexpected.
+//! and not reported as unexpected. A shard the index names may be missing when every tensor
+//! the index maps to it is ignored (a partial shard set: `--layers N` ignores the names of the
+//! layers it does not bind).
 //!
 //! When payload checks run: `A_log` padding is always checked at open (69 tiny tensors in K3).
 //! E8M0 scales are checked when they are read. A resident load reads them at open

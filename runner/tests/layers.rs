@@ -11,24 +11,14 @@
 //! Must not: call the library.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use serde_json::Value;
 
+mod bin_support;
+use bin_support::{k3, s};
+
 fn fixture_a() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/A/ckpt")
-}
-
-fn k3(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_k3-run"))
-        .args(args)
-        .env_remove("K3_ISA")
-        .output()
-        .expect("spawn k3-run")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("test paths are UTF-8")
 }
 
 /// Run the fixture request on `model` with `extra` flags; the `--out` JSON.

@@ -8,24 +8,19 @@
 //! process, never from numbers copied out of the code.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Instant;
 
 use serde_json::Value;
+
+mod bin_support;
+use bin_support::{k3, s};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("runner/ lives inside the repository")
         .to_path_buf()
-}
-
-fn k3(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_k3-run"))
-        .args(args)
-        .env_remove("K3_ISA")
-        .output()
-        .expect("spawn k3-run")
 }
 
 fn ok(o: &Output, what: &str) {
@@ -48,10 +43,6 @@ fn test_dir(name: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).expect("create test dir under target/");
     dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("test paths are UTF-8")
 }
 
 fn num(v: &Value, key: &str) -> f64 {

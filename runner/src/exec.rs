@@ -62,6 +62,24 @@ pub struct KdaState {
     pub s: Vec<f32>,
 }
 
+/// One KDA head's slices for the per-head dispatch of [`Executor::kda`]: conv histories of
+/// q, k, v, the recurrent state, the conv outputs (q, k, v) and the attention output.
+struct KdaHead<'a> {
+    conv: [&'a mut [f32]; 3],
+    state: &'a mut [f32],
+    out: [&'a mut [f32]; 3],
+    o: &'a mut [f32],
+}
+
+/// `v` cut into `h` slices of `n` (empty slices when `n == 0`).
+fn per_head(v: &mut [f32], n: usize, h: usize) -> Vec<&mut [f32]> {
+    if n == 0 {
+        (0..h).map(|_| <&mut [f32]>::default()).collect()
+    } else {
+        v.chunks_mut(n).take(h).collect()
+    }
+}
+
 /// KV cache of one MLA layer (expanded per-head k_nope and v plus the shared k_rope).
 #[derive(Clone, Debug, Default)]
 pub struct MlaState {
@@ -131,6 +149,7 @@ struct Scratch {
     /// small widened weights [max small tensor]
     w_a: Vec<f32>,
     w_b: Vec<f32>,
+    w_c: Vec<f32>,
     // KDA: [H*D] each unless noted
     q: Vec<f32>,
     k: Vec<f32>,
@@ -185,6 +204,7 @@ impl Scratch {
             res_logits: z(b.max_attn_res_sources + 1),
             w_a: z(b.max_small_tensor),
             w_b: z(b.max_small_tensor),
+            w_c: z(b.max_small_tensor),
             q: z(b.kda_channels),
             k: z(b.kda_channels),
             v: z(b.kda_channels),
@@ -895,13 +915,6 @@ impl<'s> Executor<'s> {
             jobs.push((need(lw, l, TensorRole::KdaGate)?, &mut s.gout[..ch]));
         }
         lin_batch(pool, &s.xn, jobs);
-        // causal depthwise short conv + SiLU (taps [ch, 1, ck] F32)
-        let n = widen(need(lw, l, TensorRole::KdaQConv)?, &mut s.w_a);
-        kda::conv_step(&mut st.conv_q, &s.q[..ch], &s.w_a[..n], ck, &mut s.qc[..ch]);
-        let n = widen(need(lw, l, TensorRole::KdaKConv)?, &mut s.w_a);
-        kda::conv_step(&mut st.conv_k, &s.k[..ch], &s.w_a[..n], ck, &mut s.kc[..ch]);
-        let n = widen(need(lw, l, TensorRole::KdaVConv)?, &mut s.w_a);
-        kda::conv_step(&mut st.conv_v, &s.v[..ch], &s.w_a[..n], ck, &mut s.vc[..ch]);
         // forget gate: graw = f_b(f_a x); g = gate(graw, A_log, dt_bias)
         lin(
             pool,
@@ -929,20 +942,68 @@ impl<'s> Executor<'s> {
         for b in s.beta[..h].iter_mut() {
             *b = k3_kernels::math::sigmoid(*b);
         }
-        // per-head L2 norm; q additionally scaled by head_dim^-1/2
-        ops::l2norm_heads(&mut s.qc[..ch], dk, p.l2_eps, 1.0 / (dk as f32).sqrt());
-        ops::l2norm_heads(&mut s.kc[..ch], dk, p.l2_eps, 1.0);
-        let step = kda::KdaStep {
-            q: &s.qc[..ch],
-            k: &s.kc[..ch],
-            v: &s.vc[..ch],
-            log_decay: &s.log_decay[..ch],
-            beta: &s.beta[..h],
-            n_heads: h,
-            head_dim_k: dk,
-            head_dim_v: dk,
-        };
-        kda::kda_step(pool, &step, &mut st.s, &mut s.o[..ch]);
+        // Per head, in ONE dispatch (every step below is per channel or per head, so a head's
+        // bits do not depend on which thread runs it): the causal depthwise short conv + SiLU
+        // of q, k, v (taps [ch, 1, ck]), the L2 norm of q (scaled by head_dim^-1/2) and k,
+        // and the delta-rule step on the head's state.
+        let nq = widen(need(lw, l, TensorRole::KdaQConv)?, &mut s.w_a);
+        let nk = widen(need(lw, l, TensorRole::KdaKConv)?, &mut s.w_b);
+        let nv = widen(need(lw, l, TensorRole::KdaVConv)?, &mut s.w_c);
+        let taps = [&s.w_a[..nq], &s.w_b[..nk], &s.w_c[..nv]];
+        let (hk, sd) = (dk * (ck - 1), dk * dk);
+        let (q_scale, l2_eps) = (1.0 / (dk as f32).sqrt(), p.l2_eps);
+        let (q, k, v, log_decay, beta) = (&s.q, &s.k, &s.v, &s.log_decay, &s.beta);
+        let [hq, hk_, hv] =
+            [&mut st.conv_q, &mut st.conv_k, &mut st.conv_v].map(|c| per_head(c, hk, h));
+        let mut heads: Vec<KdaHead<'_>> = hq
+            .into_iter()
+            .zip(hk_)
+            .zip(hv)
+            .zip(st.s.chunks_mut(sd))
+            .zip(s.qc[..ch].chunks_mut(dk))
+            .zip(s.kc[..ch].chunks_mut(dk))
+            .zip(s.vc[..ch].chunks_mut(dk))
+            .zip(s.o[..ch].chunks_mut(dk))
+            .map(|(((((((cq, ck_), cv), state), qc), kc), vc), o)| KdaHead {
+                conv: [cq, ck_, cv],
+                state,
+                out: [qc, kc, vc],
+                o,
+            })
+            .collect();
+        let serial = Pool::new(1);
+        pool.for_each_chunk(&mut heads, 1, |hh, t| {
+            let t = &mut t[0];
+            let r = hh * dk..(hh + 1) * dk;
+            let [qc, kc, vc] = &mut t.out;
+            for (j, (x, o)) in [&q[r.clone()], &k[r.clone()], &v[r.clone()]]
+                .into_iter()
+                .zip([&mut **qc, &mut **kc, &mut **vc])
+                .enumerate()
+            {
+                kda::conv_step(
+                    t.conv[j],
+                    x,
+                    &taps[j][hh * dk * ck..(hh + 1) * dk * ck],
+                    ck,
+                    o,
+                );
+            }
+            ops::l2norm_heads(qc, dk, l2_eps, q_scale);
+            ops::l2norm_heads(kc, dk, l2_eps, 1.0);
+            let step = kda::KdaStep {
+                q: qc,
+                k: kc,
+                v: vc,
+                log_decay: &log_decay[r],
+                beta: &beta[hh..hh + 1],
+                n_heads: 1,
+                head_dim_k: dk,
+                head_dim_v: dk,
+            };
+            kda::kda_step(&serial, &step, t.state, t.o);
+        });
+        drop(heads);
         // output gate + gated RMSNorm per head: o * rms_inv(o) * o_norm * sigmoid(g)
         if !p.full_rank_output_gate {
             // low-rank output gate (Kimi-Linear); the full-rank one was computed above

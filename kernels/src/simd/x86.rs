@@ -391,19 +391,27 @@ pub(crate) mod avx2 {
         row_groups!(ROWS, out, group_bf16, w, x);
     }
 
-    /// Decodes 8 elements whose bytes (each repeated twice) are in the low 8 bytes of `d`.
+    /// Decodes the 8 elements (nibbles, low first) of the little-endian dword at `p`: one
+    /// broadcast load, `vpsrlvd` puts nibble j in the low bits of lane j, `vpermps` looks up
+    /// the magnitude (low 3 bits), bit 3 is the sign.
+    ///
+    /// # Safety
+    /// `p..p+4` must be readable.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn mxfp4_x8(d: __m128i, mag: __m256) -> __m256 {
-        let shift = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
-        let idx = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(d), shift);
-        // vpermps reads the low 3 bits (magnitude); bit 3 of the nibble is the sign.
+    unsafe fn mxfp4_x8(p: *const u8, mag: __m256) -> __m256 {
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        // SAFETY: the caller guarantees 4 readable bytes at p.
+        let d = unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) };
+        let idx = _mm256_srlv_epi32(d, shifts);
         let m = _mm256_permutevar8x32_ps(mag, idx);
         let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(idx), _mm256_set1_epi32(i32::MIN));
         _mm256_xor_ps(m, _mm256_castsi256_ps(sign))
     }
 
-    /// Rows `r0..r0+R` of an MXFP4 matvec (`cols % 32 == 0`).
+    /// Rows `r0..r0+R` of an MXFP4 matvec (`cols % 32 == 0`). Dword d of a block holds
+    /// elements 8d..8d+8: canonical lanes 0..8 (d even, `.0`) or 8..16 (d odd, `.1`), so x needs
+    /// no permutation; elements c and c + 16 reach their lane in that order.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn group_mxfp4<const R: usize>(
@@ -437,14 +445,11 @@ pub(crate) mod avx2 {
                     if b.is_multiple_of(4) {
                         prefetch_l2(p, R * pb);
                     }
-                    let v = _mm_loadu_si128(p.cast());
-                    let lo = _mm_unpacklo_epi8(v, v); // elements 0..16
-                    let hi = _mm_unpackhi_epi8(v, v); // elements 16..32
                     let a = &mut acc[i];
-                    a.0 = _mm256_fmadd_ps(mxfp4_x8(lo, mag), xs[0], a.0);
-                    a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(lo), mag), xs[1], a.1);
-                    a.0 = _mm256_fmadd_ps(mxfp4_x8(hi, mag), xs[2], a.0);
-                    a.1 = _mm256_fmadd_ps(mxfp4_x8(_mm_srli_si128::<8>(hi), mag), xs[3], a.1);
+                    a.0 = _mm256_fmadd_ps(mxfp4_x8(p, mag), xs[0], a.0);
+                    a.1 = _mm256_fmadd_ps(mxfp4_x8(p.add(4), mag), xs[1], a.1);
+                    a.0 = _mm256_fmadd_ps(mxfp4_x8(p.add(8), mag), xs[2], a.0);
+                    a.1 = _mm256_fmadd_ps(mxfp4_x8(p.add(12), mag), xs[3], a.1);
                 }
             }
         }
@@ -471,14 +476,11 @@ pub(crate) mod avx2 {
 mod tests {
     use crate::matvec::rows_mxfp4_ref;
 
-    /// The AVX-512 MXFP4 decode against the reference: every E8M0 byte but 0xFF (subnormal
-    /// 2^-127 and products that overflow to infinity included), every nibble, rows that fill
-    /// an 8-row group and single rows after it.
+    /// The AVX-512 and AVX2 MXFP4 decodes (each where the CPU has it) against the reference:
+    /// every E8M0 byte but 0xFF (subnormal 2^-127 and products that overflow to infinity
+    /// included), every nibble, rows that fill a row group and single rows after it.
     #[test]
-    fn avx512_mxfp4_decodes_match_the_reference_for_every_scale_byte() {
-        if !crate::isa::is_available(crate::isa::Isa::Avx512) {
-            return;
-        }
+    fn x86_mxfp4_decodes_match_the_reference_for_every_scale_byte() {
         let (rows, cols) = (11, 32 * 24);
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move || {
@@ -505,10 +507,19 @@ mod tests {
                 .zip(b)
                 .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()))
         };
-        let mut got = vec![0.0f32; rows];
-        // SAFETY: AVX-512F/VL were detected above.
-        unsafe { super::avx512::rows_mxfp4(&packed, &scales, &x, &mut got) };
-        assert!(same(&got, &want), "avx512 decode: {got:?} vs {want:?}");
+        use crate::isa::{Isa, is_available};
+        if is_available(Isa::Avx512) {
+            let mut got = vec![0.0f32; rows];
+            // SAFETY: AVX-512F/VL were detected.
+            unsafe { super::avx512::rows_mxfp4(&packed, &scales, &x, &mut got) };
+            assert!(same(&got, &want), "avx512 decode: {got:?} vs {want:?}");
+        }
+        if is_available(Isa::Avx2) {
+            let mut got = vec![0.0f32; rows];
+            // SAFETY: AVX2 and FMA were detected.
+            unsafe { super::avx2::rows_mxfp4(&packed, &scales, &x, &mut got) };
+            assert!(same(&got, &want), "avx2 decode: {got:?} vs {want:?}");
+        }
         assert!(want.iter().any(|v| v.is_finite() && *v != 0.0), "{want:?}");
     }
 }

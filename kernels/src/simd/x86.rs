@@ -41,6 +41,19 @@ macro_rules! row_groups {
 // AVX-512F
 // -------------------------------------------------------------------------------------------
 
+/// Rows `r0..r0+R` of a row-major matrix with `cols` columns, as slices. (A plain loop:
+/// `std::array::from_fn` here was not inlined into the `target_feature` kernels and cost ~2.5%
+/// of decode samples in closure calls.)
+#[inline(always)]
+fn rows_of<T, const R: usize>(w: &[T], r0: usize, cols: usize) -> [&[T]; R] {
+    let block = &w[r0 * cols..(r0 + R) * cols];
+    let mut out: [&[T]; R] = [&[]; R];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = &block[i * cols..(i + 1) * cols];
+    }
+    out
+}
+
 /// Prefetches (into L2) the cache line at `p + ahead` bytes; never faults, never reads.
 #[inline(always)]
 fn prefetch_l2<T>(p: *const T, ahead_bytes: usize) {
@@ -103,7 +116,7 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     fn group_f32<const R: usize>(w: &[f32], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        let rows: [&[f32]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let rows: [&[f32]; R] = rows_of(w, r0, cols);
         let full = cols / LANES * LANES;
         let mut acc = [_mm512_setzero_ps(); R];
         let mut c = 0;
@@ -138,7 +151,7 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     fn group_bf16<const R: usize>(w: &[u16], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        let rows: [&[u16]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let rows: [&[u16]; R] = rows_of(w, r0, cols);
         let full = cols / LANES * LANES;
         let mut acc = [_mm512_setzero_ps(); R];
         let mut c = 0;
@@ -193,8 +206,8 @@ pub(crate) mod avx512 {
     ) {
         let cols = x.len();
         let (pb, nb) = (cols / 2, cols / 32);
-        let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-        let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+        let prow: [&[u8]; R] = rows_of(packed, r0, pb);
+        let srow: [&[u8]; R] = rows_of(scales, r0, nb);
         // SAFETY: E2M1 holds exactly 16 f32.
         let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
         // lane j: the nibble at bit 4 * (j / 2) of dword j % 2 (element 8 * (j % 2) + j / 2)
@@ -320,7 +333,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     fn group_f32<const R: usize>(w: &[f32], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        let rows: [&[f32]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let rows: [&[f32]; R] = rows_of(w, r0, cols);
         let full = cols / LANES * LANES;
         let mut acc = [zero(); R];
         let mut c = 0;
@@ -357,7 +370,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     fn group_bf16<const R: usize>(w: &[u16], x: &[f32], r0: usize, out: &mut [f32]) {
         let cols = x.len();
-        let rows: [&[u16]; R] = std::array::from_fn(|i| &w[(r0 + i) * cols..(r0 + i + 1) * cols]);
+        let rows: [&[u16]; R] = rows_of(w, r0, cols);
         let full = cols / LANES * LANES;
         let mut acc = [zero(); R];
         let mut c = 0;
@@ -423,8 +436,8 @@ pub(crate) mod avx2 {
     ) {
         let cols = x.len();
         let (pb, nb) = (cols / 2, cols / 32);
-        let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-        let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+        let prow: [&[u8]; R] = rows_of(packed, r0, pb);
+        let srow: [&[u8]; R] = rows_of(scales, r0, nb);
         // SAFETY: E2M1 holds 16 f32; the first 8 are the non-negative magnitudes.
         let e2m1 = unsafe { _mm256_loadu_ps(E2M1.as_ptr()) };
         let mut acc = [zero(); R];

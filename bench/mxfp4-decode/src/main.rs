@@ -214,6 +214,63 @@ fn g1<const R: usize, const PF: usize>(
     }
 }
 
+// ---------------- v5: v1 with the epilogue in registers ----------------
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+fn g5<const R: usize, const PF: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    x: &[f32],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let cols = x.len();
+    let (pb, nb) = (cols / 2, cols / 32);
+    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
+    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+    let t = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+    // lane j: dword j%2 of the qword, shifted 4*(j/2) -> element 8(j%2)+j/2
+    let sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    let xperm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        unsafe {
+            let xp = x.as_ptr().add(32 * b);
+            let x0 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp));
+            let x1 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp.add(16)));
+            for i in 0..R {
+                let tb = _mm512_mul_ps(t, _mm512_set1_ps(tab()[srow[i][b] as usize]));
+                let p = prow[i].as_ptr().add(16 * b);
+                if b % 4 == 0 && PF > 0 {
+                    pf(p, PF * R * pb);
+                }
+                let q0 = _mm512_set1_epi64(std::ptr::read_unaligned(p.cast::<i64>()));
+                let q1 = _mm512_set1_epi64(std::ptr::read_unaligned(p.add(8).cast::<i64>()));
+                let i0 = _mm512_srlv_epi32(q0, sh);
+                let i1 = _mm512_srlv_epi32(q1, sh);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, tb), x0, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, tb), x1, acc[i]);
+            }
+        }
+    }
+    let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for i in 0..R {
+        out[i] = tree16_reg(_mm512_permutexvar_ps(back, acc[i]));
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+fn tree16_reg(v: __m512) -> f32 {
+    let a = _mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    );
+    let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+    let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
+}
+
 // ---------------- v4: v1 with precomputed scaled tables ----------------
 #[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
@@ -359,6 +416,7 @@ macro_rules! rows {
 }
 rows!(r0_8, g0, 8);
 rowsp!(r1_8, g1, 8, 1);
+rowsp!(r5_8, g5, 8, 1);
 rowsp!(r1_8p0, g1, 8, 0);
 rowsp!(r1_8p2, g1, 8, 2);
 rowsp!(r1_8p4, g1, 8, 4);
@@ -420,6 +478,7 @@ fn main() {
     let vs: Vec<(&str, F)> = vec![
         ("old: vpmovzxbd + vpermt2ps", r0_8),
         ("kept: bcst + vpsrlvd R8", r1_8),
+        ("kept + register epilogue", r5_8),
         ("kept, R4", r1_4),
         ("kept, R12", r1_12),
         ("kept, R16", r1_16),

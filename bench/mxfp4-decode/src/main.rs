@@ -1,5 +1,5 @@
 //! MXFP4 AVX-512 decode variants side by side (docs/PERFORMANCE.md, "Sixth session").
-//! Every variant is first checked bit-exact against the scalar reference (the canonical dot),
+//! Every variant is first checked bit-exact against k3-kernels' scalar reference (the canonical dot),
 //! then timed: medians of REPS alternating calls, 1 thread.
 //!
 //! cargo run --release --manifest-path bench/mxfp4-decode/Cargo.toml -- ROWS COLS REPS
@@ -8,18 +8,11 @@
 use std::arch::x86_64::*;
 use std::time::Instant;
 
-const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-fn e8m0(b: u8) -> f32 {
-    if b == 255 {
-        f32::NAN
-    } else if b == 0 {
-        f32::from_bits(0x0040_0000)
-    } else {
-        f32::from_bits((b as u32) << 23)
-    }
-}
+use k3_kernels::Pool;
+use k3_kernels::isa::Isa;
+use k3_kernels::matvec::{E2M1, e8m0_to_f32 as e8m0, matvec_mxfp4_with};
+use k3_kernels::reduce::tree16;
+
 static mut TABS: [f32; 4096] = [0.0; 4096];
 fn tabs() -> &'static [f32; 4096] {
     unsafe { &*std::ptr::addr_of!(TABS) }
@@ -29,44 +22,34 @@ fn tab() -> &'static [f32; 256] {
     unsafe { &*std::ptr::addr_of!(E8M0) }
 }
 
-fn tree16(mut l: [f32; 16]) -> f32 {
-    for j in 0..8 {
-        l[j] += l[j + 8];
-    }
-    for j in 0..4 {
-        l[j] += l[j + 4];
-    }
-    for j in 0..2 {
-        l[j] += l[j + 2];
-    }
-    l[0] + l[1]
-}
-fn dot_ref(p: &[u8], s: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    for ((p, &s), xb) in p.chunks_exact(16).zip(s).zip(x.chunks_exact(32)) {
-        let sc = tab()[s as usize];
-        for (c, &xc) in xb.iter().enumerate() {
-            let byte = p[c / 2];
-            let nib = if c & 1 == 0 { byte & 15 } else { byte >> 4 };
-            acc[c % 16] = (E2M1[nib as usize] * sc).mul_add(xc, acc[c % 16]);
-        }
-    }
-    tree16(acc)
-}
-
 #[inline(always)]
 fn pf<T>(p: *const T, a: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>().wrapping_add(a)) }
 }
 
-// ---------------- v0: current kernel ----------------
+/// Bytes per packed row, blocks per row, and the packed and scale rows `r0..r0+R`.
+#[inline(always)]
+fn group<'a, const R: usize>(
+    packed: &'a [u8],
+    scales: &'a [u8],
+    cols: usize,
+    r0: usize,
+) -> (usize, usize, [&'a [u8]; R], [&'a [u8]; R]) {
+    let (pb, nb) = (cols / 2, cols / 32);
+    let mut prow: [&[u8]; R] = [&[]; R];
+    let mut srow: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        prow[i] = &packed[(r0 + i) * pb..(r0 + i + 1) * pb];
+        srow[i] = &scales[(r0 + i) * nb..(r0 + i + 1) * nb];
+    }
+    (pb, nb, prow, srow)
+}
+
+// ---------------- v0: the old decode (before 14b2906) ----------------
 #[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 fn g0<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &mut [f32]) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+    let (pb, nb, prow, srow) = group::<R>(packed, scales, x.len(), r0);
     let (t_lo, t_hi) = unsafe {
         (
             _mm256_loadu_ps(E2M1.as_ptr()),
@@ -125,10 +108,7 @@ fn g0<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &
 #[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx512vbmi,avx2,fma")]
 fn g2<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &mut [f32]) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+    let (pb, nb, prow, srow) = group::<R>(packed, scales, x.len(), r0);
     let t = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
     // qword lane q: byte 0 <- bits 8q.., byte 4 <- bits 8q+4..
     let mut c = [0u8; 64];
@@ -164,20 +144,20 @@ fn g2<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &
     }
 }
 
-// ---------------- v1: zmm, broadcast qword + vpsrlvd, permuted lanes ----------------
+// ---------------- v1 (kept): zmm, broadcast qword + vpsrlvd, permuted lanes ----------------
+// PF: prefetch distance in row groups (0 = none); TABLES: the scaled table loaded from the 16 KB
+// precomputed tables instead of one multiply; REG: lanes restored with one vpermps and the tree
+// in registers instead of a store and the scalar tree.
 #[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn g1<const R: usize, const PF: usize>(
+fn g1<const R: usize, const PF: usize, const TABLES: bool, const REG: bool>(
     packed: &[u8],
     scales: &[u8],
     x: &[f32],
     r0: usize,
     out: &mut [f32],
 ) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+    let (pb, nb, prow, srow) = group::<R>(packed, scales, x.len(), r0);
     let t = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
     // lane j: dword j%2 of the qword, shifted 4*(j/2) -> element 8(j%2)+j/2
     let sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
@@ -189,7 +169,11 @@ fn g1<const R: usize, const PF: usize>(
             let x0 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp));
             let x1 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp.add(16)));
             for i in 0..R {
-                let tb = _mm512_mul_ps(t, _mm512_set1_ps(tab()[srow[i][b] as usize]));
+                let tb = if TABLES {
+                    _mm512_loadu_ps(tabs().as_ptr().add(16 * srow[i][b] as usize))
+                } else {
+                    _mm512_mul_ps(t, _mm512_set1_ps(tab()[srow[i][b] as usize]))
+                };
                 let p = prow[i].as_ptr().add(16 * b);
                 if b % 4 == 0 && PF > 0 {
                     pf(p, PF * R * pb);
@@ -203,59 +187,21 @@ fn g1<const R: usize, const PF: usize>(
             }
         }
     }
-    for i in 0..R {
-        let mut a = [0.0f32; 16];
-        unsafe { _mm512_storeu_ps(a.as_mut_ptr(), acc[i]) };
-        let mut l = [0.0f32; 16];
-        for j in 0..16 {
-            l[8 * (j % 2) + j / 2] = a[j];
+    if REG {
+        let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        for i in 0..R {
+            out[i] = tree16_reg(_mm512_permutexvar_ps(back, acc[i]));
         }
-        out[i] = tree16(l);
-    }
-}
-
-// ---------------- v5: v1 with the epilogue in registers ----------------
-#[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn g5<const R: usize, const PF: usize>(
-    packed: &[u8],
-    scales: &[u8],
-    x: &[f32],
-    r0: usize,
-    out: &mut [f32],
-) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
-    let t = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-    // lane j: dword j%2 of the qword, shifted 4*(j/2) -> element 8(j%2)+j/2
-    let sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    let xperm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        unsafe {
-            let xp = x.as_ptr().add(32 * b);
-            let x0 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp));
-            let x1 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp.add(16)));
-            for i in 0..R {
-                let tb = _mm512_mul_ps(t, _mm512_set1_ps(tab()[srow[i][b] as usize]));
-                let p = prow[i].as_ptr().add(16 * b);
-                if b % 4 == 0 && PF > 0 {
-                    pf(p, PF * R * pb);
-                }
-                let q0 = _mm512_set1_epi64(std::ptr::read_unaligned(p.cast::<i64>()));
-                let q1 = _mm512_set1_epi64(std::ptr::read_unaligned(p.add(8).cast::<i64>()));
-                let i0 = _mm512_srlv_epi32(q0, sh);
-                let i1 = _mm512_srlv_epi32(q1, sh);
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, tb), x0, acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, tb), x1, acc[i]);
+    } else {
+        for i in 0..R {
+            let mut a = [0.0f32; 16];
+            unsafe { _mm512_storeu_ps(a.as_mut_ptr(), acc[i]) };
+            let mut l = [0.0f32; 16];
+            for j in 0..16 {
+                l[8 * (j % 2) + j / 2] = a[j];
             }
+            out[i] = tree16(l);
         }
-    }
-    let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for i in 0..R {
-        out[i] = tree16_reg(_mm512_permutexvar_ps(back, acc[i]));
     }
 }
 
@@ -271,58 +217,11 @@ fn tree16_reg(v: __m512) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
 }
 
-// ---------------- v4: v1 with precomputed scaled tables ----------------
-#[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn g4<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &mut [f32]) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
-
-    // lane j: dword j%2 of the qword, shifted 4*(j/2) -> element 8(j%2)+j/2
-    let sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    let xperm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        unsafe {
-            let xp = x.as_ptr().add(32 * b);
-            let x0 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp));
-            let x1 = _mm512_permutexvar_ps(xperm, _mm512_loadu_ps(xp.add(16)));
-            for i in 0..R {
-                let tb = _mm512_loadu_ps(tabs().as_ptr().add(16 * srow[i][b] as usize));
-                let p = prow[i].as_ptr().add(16 * b);
-                if b % 4 == 0 {
-                    pf(p, R * pb);
-                }
-                let q0 = _mm512_set1_epi64(std::ptr::read_unaligned(p.cast::<i64>()));
-                let q1 = _mm512_set1_epi64(std::ptr::read_unaligned(p.add(8).cast::<i64>()));
-                let i0 = _mm512_srlv_epi32(q0, sh);
-                let i1 = _mm512_srlv_epi32(q1, sh);
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, tb), x0, acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, tb), x1, acc[i]);
-            }
-        }
-    }
-    for i in 0..R {
-        let mut a = [0.0f32; 16];
-        unsafe { _mm512_storeu_ps(a.as_mut_ptr(), acc[i]) };
-        let mut l = [0.0f32; 16];
-        for j in 0..16 {
-            l[8 * (j % 2) + j / 2] = a[j];
-        }
-        out[i] = tree16(l);
-    }
-}
-
 // ---------------- v3: ymm, multishift, AVX2 lane layout (.0 lanes 0..8, .1 lanes 8..16) ----------------
 #[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx512vbmi,avx2,fma")]
 fn g3<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &mut [f32]) {
-    let cols = x.len();
-    let (pb, nb) = (cols / 2, cols / 32);
-    let prow: [&[u8]; R] = std::array::from_fn(|i| &packed[(r0 + i) * pb..(r0 + i + 1) * pb]);
-    let srow: [&[u8]; R] = std::array::from_fn(|i| &scales[(r0 + i) * nb..(r0 + i + 1) * nb]);
+    let (pb, nb, prow, srow) = group::<R>(packed, scales, x.len(), r0);
     let (t_lo, t_hi) = unsafe {
         (
             _mm256_loadu_ps(E2M1.as_ptr()),
@@ -382,49 +281,33 @@ fn g3<const R: usize>(packed: &[u8], scales: &[u8], x: &[f32], r0: usize, out: &
     }
 }
 
-macro_rules! rowsp {
-    ($name:ident, $g:ident, $r:expr, $pf:expr) => {
-        #[target_feature(enable = "avx512f,avx512vl,avx512vbmi,avx2,fma")]
-        fn $name(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
-            let mut r = 0;
-            while r + $r <= out.len() {
-                $g::<{ $r }, { $pf }>(packed, scales, x, r, &mut out[r..r + $r]);
-                r += $r;
-            }
-            while r < out.len() {
-                $g::<1, { $pf }>(packed, scales, x, r, &mut out[r..r + 1]);
-                r += 1;
-            }
-        }
-    };
-}
 macro_rules! rows {
-    ($name:ident, $g:ident, $r:expr) => {
+    ($name:ident, $g:ident, $r:expr $(, $c:expr)*) => {
         #[target_feature(enable = "avx512f,avx512vl,avx512vbmi,avx2,fma")]
         fn $name(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
             let mut r = 0;
             while r + $r <= out.len() {
-                $g::<{ $r }>(packed, scales, x, r, &mut out[r..r + $r]);
+                $g::<{ $r } $(, { $c })*>(packed, scales, x, r, &mut out[r..r + $r]);
                 r += $r;
             }
             while r < out.len() {
-                $g::<1>(packed, scales, x, r, &mut out[r..r + 1]);
+                $g::<1 $(, { $c })*>(packed, scales, x, r, &mut out[r..r + 1]);
                 r += 1;
             }
         }
     };
 }
 rows!(r0_8, g0, 8);
-rowsp!(r1_8, g1, 8, 1);
-rowsp!(r5_8, g5, 8, 1);
-rowsp!(r1_8p0, g1, 8, 0);
-rowsp!(r1_8p2, g1, 8, 2);
-rowsp!(r1_8p4, g1, 8, 4);
-rowsp!(r1_8p8, g1, 8, 8);
-rowsp!(r1_4, g1, 4, 1);
-rowsp!(r1_12, g1, 12, 1);
-rowsp!(r1_16, g1, 16, 1);
-rows!(r4_8, g4, 8);
+rows!(r1_8, g1, 8, 1, false, false);
+rows!(r5_8, g1, 8, 1, false, true);
+rows!(r1_8p0, g1, 8, 0, false, false);
+rows!(r1_8p2, g1, 8, 2, false, false);
+rows!(r1_8p4, g1, 8, 4, false, false);
+rows!(r1_8p8, g1, 8, 8, false, false);
+rows!(r1_4, g1, 4, 1, false, false);
+rows!(r1_12, g1, 12, 1, false, false);
+rows!(r1_16, g1, 16, 1, false, false);
+rows!(r4_8, g1, 8, 1, true, false);
 rows!(r2_8, g2, 8);
 rows!(r3_8, g3, 8);
 
@@ -465,15 +348,9 @@ fn main() {
                 * 2f32.powi((r >> 40) as i32 % 30 - 15)
         })
         .collect();
-    let want: Vec<f32> = (0..rows)
-        .map(|r| {
-            dot_ref(
-                &packed[r * cols / 2..(r + 1) * cols / 2],
-                &scales[r * cols / 32..(r + 1) * cols / 32],
-                &x,
-            )
-        })
-        .collect();
+    // the engine's scalar reference (canonical dot of exactly decoded weights)
+    let mut want = vec![0.0f32; rows];
+    matvec_mxfp4_with(Isa::Scalar, &Pool::new(1), &packed, &scales, &x, &mut want);
     type F = unsafe fn(&[u8], &[u8], &[f32], &mut [f32]);
     let vs: Vec<(&str, F)> = vec![
         ("old: vpmovzxbd + vpermt2ps", r0_8),

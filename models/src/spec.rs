@@ -625,6 +625,40 @@ impl ModelSpec {
         Ok(s)
     }
 
+    /// The same model with `A_log` stored as `len` entries instead of the manifest rule's
+    /// length. `A_log` holds one entry per KDA head; anything past `n_heads` is storage-only
+    /// zero padding (checked at open), so a checkpoint padded to another length is the same
+    /// model. Each `A_log` declaration keeps its layout (`[len]` or `[1, 1, len, 1]`). Refused
+    /// when `len` is below the head count or the model has no KDA layers.
+    pub fn with_stored_a_log_len(&self, len: usize) -> Result<ModelSpec, String> {
+        let Some(kda) = &self.kda else {
+            return Err(format!("model {} has no KDA layers (no A_log)", self.name));
+        };
+        if len < kda.n_heads {
+            return Err(format!(
+                "A_log with {len} entries cannot hold one per KDA head ({} heads)",
+                kda.n_heads
+            ));
+        }
+        let mut s = self.clone();
+        if let Some(k) = s.kda.as_mut() {
+            k.a_log_len = len;
+        }
+        for t in s
+            .tensors
+            .iter_mut()
+            .filter(|t| t.role == TensorRole::KdaALog)
+        {
+            // `[len]`, or `[1, 1, len, 1]` (crate::inventory::ALogLayout)
+            let at = if t.shape.len() == 4 { 2 } else { 0 };
+            if let Some(n) = t.shape.get_mut(at) {
+                *n = len;
+            }
+        }
+        s.rebuild_index();
+        Ok(s)
+    }
+
     /// Layer indices whose attention block is `kind`, ascending.
     pub fn layers_with_attn(&self, kind: AttnKind) -> Vec<usize> {
         self.layers

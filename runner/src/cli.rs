@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use k3_models::spec::ModelSpec;
+use k3_models::spec::{ModelSpec, TensorRole};
 
 use crate::checkpoint::Checkpoint;
 use crate::exec::{ExecError, Executor};
@@ -291,7 +291,49 @@ pub fn load_spec(
             )
         }
     };
-    spec.map_err(|e| Failure::usage(e.to_string()))
+    let spec = spec.map_err(|e| Failure::usage(e.to_string()))?;
+    Ok(adopt_stored_a_log_len(spec, model_dir))
+}
+
+/// `A_log` padding is storage-only (one entry per KDA head, then zeros, checked at open), and
+/// the manifest's length rule is what the released checkpoint uses. A checkpoint that pads to
+/// another length (every layer's `A_log` the same length, same layout, at least one entry per
+/// head) is the same model: bind its stored length. Anything else is left to the checkpoint's
+/// shape check, which names the tensor. No checkpoint in `model_dir` (e.g. `plan --config`)
+/// leaves the spec as it is.
+fn adopt_stored_a_log_len(spec: ModelSpec, model_dir: &Path) -> ModelSpec {
+    let Some((rule_len, heads)) = spec.kda.as_ref().map(|k| (k.a_log_len, k.n_heads)) else {
+        return spec;
+    };
+    let Ok(ck) = Checkpoint::open_unchecked(model_dir) else {
+        return spec;
+    };
+    let mut stored = None;
+    for d in spec
+        .tensors
+        .iter()
+        .filter(|d| d.role == TensorRole::KdaALog)
+    {
+        let Some((_, shape)) = ck.info(&d.name) else {
+            return spec;
+        };
+        // the declared layout with one free dimension: `[n]` or `[1, 1, n, 1]`
+        let at = if d.shape.len() == 4 { 2 } else { 0 };
+        let same_layout = shape.len() == d.shape.len()
+            && shape
+                .iter()
+                .zip(&d.shape)
+                .enumerate()
+                .all(|(i, (s, want))| i == at || s == want);
+        if !same_layout || stored.is_some_and(|n| n != shape[at]) {
+            return spec;
+        }
+        stored = Some(shape[at]);
+    }
+    match stored {
+        Some(n) if n != rule_len && n >= heads => spec.with_stored_a_log_len(n).unwrap_or(spec),
+        _ => spec,
+    }
 }
 
 pub fn default_threads() -> usize {

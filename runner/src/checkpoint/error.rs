@@ -183,6 +183,21 @@ pub enum CheckpointError {
         found: Vec<usize>,
     },
 
+    /// A KDA `A_log` stored with fewer entries than heads, or in another layout.
+    #[error(
+        "{}: tensor {tensor} has shape {found:?}: A_log needs one entry per KDA head \
+         (linear_attn_config.num_heads = {n_heads}), zero padding after them allowed, \
+         stored like {expected:?}",
+        file.display()
+    )]
+    ALogShape {
+        file: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+        n_heads: usize,
+    },
+
     /// An E8M0 scale byte is 0xFF (NaN in OCP MX v1.0).
     #[error(
         "{}: tensor {tensor}: E8M0 scale byte 0xFF (NaN) at element {index}; rejected",

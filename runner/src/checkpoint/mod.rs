@@ -398,6 +398,17 @@ impl Checkpoint {
                     found: e.dtype.to_string(),
                 });
             }
+            if *e.shape != *d.shape
+                && let (TensorRole::KdaALog, Some(k)) = (d.role, spec.kda.as_ref())
+            {
+                return Err(CheckpointError::ALogShape {
+                    file,
+                    tensor: d.name.clone(),
+                    expected: d.shape.clone(),
+                    found: e.shape.to_vec(),
+                    n_heads: k.n_heads,
+                });
+            }
             if *e.shape != *d.shape {
                 return Err(CheckpointError::WrongShape {
                     file,

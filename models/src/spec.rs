@@ -122,7 +122,8 @@ pub struct MoeSpec {
 pub enum ExpertFormat {
     /// compressed-tensors `mxfp4-pack-quantized`: roles `ExpertW{1,3,2}{Packed,Scale}`, U8.
     Mxfp4,
-    /// Plain linear weights: roles `ExpertW{1,3,2}` (Kimi-Linear; unverified, not run by k3-run).
+    /// Plain BF16 linear weights: roles `ExpertW{1,3,2}` (Kimi-Linear), run by the same
+    /// executor, resident and streamed (`runner/tests/bf16_experts.rs`).
     Bf16,
 }
 

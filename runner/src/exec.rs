@@ -21,7 +21,8 @@ use std::borrow::Cow;
 use k3_kernels::par::{Pool, stream_row_chunk};
 use k3_kernels::{attn, attnres, kda, matvec, ops, router};
 use k3_models::spec::{
-    Activation, AttnKind, DType, FfnKind, KdaGateSpec, ModelSpec, RouterScoring, TensorRole,
+    Activation, AttnKind, DType, ExpertFormat, FfnKind, KdaGateSpec, ModelSpec, RouterScoring,
+    TensorRole,
 };
 
 use crate::plan::Plan;
@@ -313,10 +314,15 @@ impl GuessScratch {
 
 /// View raw little-endian bytes as bf16 bit patterns (copying only if misaligned).
 fn bf16_bits(t: TensorBytes<'_>) -> Cow<'_, [u16]> {
-    match bytemuck::try_cast_slice::<u8, u16>(t.bytes) {
+    bf16_of(t.bytes)
+}
+
+/// Little-endian bf16 bytes as u16 (borrowed when 2-byte aligned, else copied).
+fn bf16_of(bytes: &[u8]) -> Cow<'_, [u16]> {
+    match bytemuck::try_cast_slice::<u8, u16>(bytes) {
         Ok(s) => Cow::Borrowed(s),
         Err(_) => Cow::Owned(
-            t.bytes
+            bytes
                 .chunks_exact(2)
                 .map(|c| u16::from_le_bytes([c[0], c[1]]))
                 .collect(),
@@ -435,7 +441,9 @@ fn experts_with_rows(
 }
 
 /// One routed expert on one thread into its scratch slot `[gate ff | up ff | h ff | out]`:
-/// `out = W2 glu(W1 xin, W3 xin)`, each matvec the canonical row order.
+/// `out = W2 glu(W1 xin, W3 xin)`, each matvec the canonical row order (MXFP4 or BF16
+/// weights; both kernels accumulate in the same canonical order, so an expert stored as BF16
+/// holding the exact values of an MXFP4 one gives the same bits).
 fn expert_ffn(
     serial: &Pool,
     act: Activation,
@@ -447,10 +455,20 @@ fn expert_ffn(
     let (gate, rest) = buf.split_at_mut(ff);
     let (up, rest) = rest.split_at_mut(ff);
     let (h, out) = rest.split_at_mut(ff);
-    matvec::matvec_mxfp4(serial, ew.w1_packed, ew.w1_scale, xin, gate);
-    matvec::matvec_mxfp4(serial, ew.w3_packed, ew.w3_scale, xin, up);
-    glu(act, gate, up, h);
-    matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
+    match ew.format {
+        ExpertFormat::Mxfp4 => {
+            matvec::matvec_mxfp4(serial, ew.w1_packed, ew.w1_scale, xin, gate);
+            matvec::matvec_mxfp4(serial, ew.w3_packed, ew.w3_scale, xin, up);
+            glu(act, gate, up, h);
+            matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
+        }
+        ExpertFormat::Bf16 => {
+            matvec::matvec_bf16(serial, &bf16_of(ew.w1_packed), xin, gate);
+            matvec::matvec_bf16(serial, &bf16_of(ew.w3_packed), xin, up);
+            glu(act, gate, up, h);
+            matvec::matvec_bf16(serial, &bf16_of(ew.w2_packed), h, out);
+        }
+    }
 }
 
 /// How many MoE layers ahead the look-ahead expert guess reaches: during MoE layer L the

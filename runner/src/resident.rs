@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use k3_kernels::{matvec, par::Pool};
-use k3_models::spec::{ModelSpec, TensorDecl, TensorRole};
+use k3_models::spec::{ExpertFormat, ModelSpec, TensorDecl, TensorRole};
 
 use crate::arena::{Arena, ArenaOptions, ArenaStats};
 use crate::checkpoint::Checkpoint;
@@ -324,7 +324,7 @@ impl TrunkSource for ResidentTrunk<'_> {
 
 // The six MXFP4 roles of a routed expert, in `ExpertWeights` field order (the same order the
 // expert store reads them in).
-use crate::stream::experts::EXPERT_ROLES;
+use crate::stream::experts::{EXPERT_ROLES, expert_format, expert_slot};
 
 /// One expert's bound tensors; `None` where the spec declares no such role (reported on use).
 type ExpertSlots<'c> = [Option<Src<'c>>; 6];
@@ -337,6 +337,8 @@ pub struct ResidentExperts<'c> {
     unbound: Vec<((usize, usize), String)>,
     arena: Option<Arc<ResidentArena>>,
     stats: ExpertStats,
+    /// MXFP4 (six tensors per expert) or BF16 (three; no scale slots).
+    format: ExpertFormat,
 }
 
 impl<'c> ResidentExperts<'c> {
@@ -358,7 +360,7 @@ impl<'c> ResidentExperts<'c> {
             let (Some(l), Some(e)) = (t.layer, t.expert) else {
                 continue;
             };
-            let Some(r) = EXPERT_ROLES.iter().position(|&r| r == t.role) else {
+            let Some(r) = expert_slot(t.role) else {
                 continue;
             };
             let Some(experts) = index.get_mut(l) else {
@@ -377,6 +379,7 @@ impl<'c> ResidentExperts<'c> {
             unbound,
             arena: b.arena,
             stats: ExpertStats::default(),
+            format: expert_format(spec),
         }
     }
 
@@ -398,7 +401,11 @@ impl<'c> ResidentExperts<'c> {
                 msg: "not declared by the model spec".into(),
             })?;
         let arena = self.arena.as_ref();
+        let bf16 = self.format == ExpertFormat::Bf16;
         let get = |r: usize| -> Result<&[u8], WeightError> {
+            if bf16 && r % 2 == 1 {
+                return Ok(&[]); // BF16 experts have no scales
+            }
             slots[r]
                 .map(|src| resolve(arena, src))
                 .ok_or_else(|| WeightError::Expert {
@@ -409,6 +416,7 @@ impl<'c> ResidentExperts<'c> {
         };
         Ok(ExpertWeights {
             expert: e,
+            format: self.format,
             w1_packed: get(0)?,
             w1_scale: get(1)?,
             w3_packed: get(2)?,

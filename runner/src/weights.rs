@@ -7,7 +7,7 @@
 //! slots, O_DIRECT), expert cache (byte budget, pluggable eviction). The executor never knows
 //! which one it talks to, so output bits cannot depend on it (NUMERICS.md §1).
 
-use k3_models::spec::{TensorDecl, TensorRole};
+use k3_models::spec::{ExpertFormat, TensorDecl, TensorRole};
 
 /// Errors a provider can return. Messages name the file and tensor.
 #[derive(Debug, thiserror::Error)]
@@ -49,11 +49,13 @@ impl<'a> LayerWeights<'a> {
     }
 }
 
-/// One routed expert's MXFP4 tensors: packed nibbles and E8M0 scales of w1 (gate), w3 (up),
-/// w2 (down).
+/// One routed expert's tensors: w1 (gate), w3 (up), w2 (down). MXFP4 experts: packed nibbles
+/// in `*_packed` and E8M0 scales in `*_scale`. BF16 experts (`format` = `Bf16`): the
+/// little-endian bf16 weights in `*_packed`, `*_scale` empty.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a> {
     pub expert: usize,
+    pub format: ExpertFormat,
     pub w1_packed: &'a [u8],
     pub w1_scale: &'a [u8],
     pub w3_packed: &'a [u8],

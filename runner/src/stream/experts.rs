@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
-use k3_models::spec::{ModelSpec, TensorRole};
+use k3_models::spec::{ExpertFormat, ModelSpec, TensorRole};
 
 use super::StreamError;
 use super::aligned::{AlignedBuf, IO_ALIGN, align_up};
@@ -45,6 +45,30 @@ pub const EXPERT_ROLES: [TensorRole; 6] = [
 
 fn is_scale(i: usize) -> bool {
     i % 2 == 1
+}
+
+/// The slot (index into [`EXPERT_ROLES`] order) of an expert tensor role: MXFP4 roles map to
+/// their own slot, a BF16 expert's `ExpertW1/W3/W2` to the packed slots 0/2/4 (its scale
+/// slots stay empty).
+pub fn expert_slot(role: TensorRole) -> Option<usize> {
+    match role {
+        TensorRole::ExpertW1 => Some(0),
+        TensorRole::ExpertW3 => Some(2),
+        TensorRole::ExpertW2 => Some(4),
+        r => EXPERT_ROLES.iter().position(|&x| x == r),
+    }
+}
+
+/// Whether slot `k` is absent by design: the scale slots of BF16 experts.
+fn slot_absent(format: ExpertFormat, k: usize) -> bool {
+    format == ExpertFormat::Bf16 && is_scale(k)
+}
+
+/// The routed experts' storage format of `spec` (MXFP4 when it has no MoE).
+pub fn expert_format(spec: &ModelSpec) -> ExpertFormat {
+    spec.moe
+        .as_ref()
+        .map_or(ExpertFormat::Mxfp4, |m| m.expert_format)
 }
 
 /// Chooses which resident expert to evict. Implementations must be deterministic.
@@ -141,6 +165,8 @@ pub struct ExpertStore<'c> {
     /// Shared with the prefetch thread (the blocking reader threads and the io_uring mutex
     /// allow callers on several threads).
     pool: Arc<ReadPool>,
+    /// MXFP4 (six tensors per expert) or BF16 (three; the scale slots empty).
+    format: ExpertFormat,
 }
 
 impl std::fmt::Debug for ExpertStore<'_> {
@@ -171,12 +197,13 @@ impl<'c> ExpertStore<'c> {
         o_direct: bool,
         pool: ReadPool,
     ) -> Result<Self, StreamError> {
+        let format = expert_format(spec);
         let mut partial: HashMap<ExpertKey, [Option<u32>; 6]> = HashMap::new();
         for (i, d) in spec.tensors.iter().enumerate() {
             let (Some(layer), Some(expert)) = (d.layer, d.expert) else {
                 continue;
             };
-            let Some(slot) = EXPERT_ROLES.iter().position(|&r| r == d.role) else {
+            let Some(slot) = expert_slot(d.role) else {
                 continue;
             };
             let idx = u32::try_from(i)
@@ -198,6 +225,9 @@ impl<'c> ExpertStore<'c> {
                 len: 0,
             }; 6];
             for k in 0..6 {
+                if slot_absent(format, k) {
+                    continue; // loc stays empty; decl unused
+                }
                 let di = p[k].ok_or_else(|| {
                     StreamError::Invalid(format!(
                         "routed expert {} of layer {} declares no {:?} tensor",
@@ -233,6 +263,7 @@ impl<'c> ExpertStore<'c> {
             expert_buf_bytes: 0,
             expert_bytes: 0,
             pool: Arc::new(pool),
+            format,
         };
         let mut buf = 0usize;
         let mut bytes = 0u64;
@@ -291,7 +322,7 @@ impl<'c> ExpertStore<'c> {
 
     fn layout(&self, e: &ExpertEntry) -> Layout {
         // Tensors in disk order; adjacent tensors of one file form one run.
-        let mut order: Vec<usize> = (0..6).collect();
+        let mut order: Vec<usize> = (0..6).filter(|&k| !slot_absent(self.format, k)).collect();
         order.sort_by_key(|&k| (e.loc[k].file, e.loc[k].offset));
         let mut runs: Vec<(u16, u64, u64, Vec<usize>)> = Vec::new();
         for k in order {
@@ -367,7 +398,7 @@ impl<'c> ExpertStore<'c> {
     fn check_scales(&self, key: ExpertKey, lay: &Layout, buf: &[u8]) -> Result<(), String> {
         let e = &self.entries[&key];
         for (k, &(pos, len)) in lay.tensors.iter().enumerate() {
-            if !is_scale(k) {
+            if !is_scale(k) || slot_absent(self.format, k) {
                 continue;
             }
             if let Some(i) = crate::checkpoint::e8m0_nan_at(&buf[pos..pos + len]) {
@@ -383,11 +414,18 @@ impl<'c> ExpertStore<'c> {
     }
 }
 
-/// The view of expert `id` in `buf`, whose six tensors are at `t` (offset, length).
-fn expert_view<'b>(id: u32, buf: &'b [u8], t: &[(usize, usize); 6]) -> ExpertWeights<'b> {
+/// The view of expert `id` in `buf`, whose six tensors are at `t` (offset, length; the scale
+/// slots of a BF16 expert are empty).
+fn expert_view<'b>(
+    id: u32,
+    format: ExpertFormat,
+    buf: &'b [u8],
+    t: &[(usize, usize); 6],
+) -> ExpertWeights<'b> {
     let part = |k: usize| &buf[t[k].0..t[k].0 + t[k].1];
     ExpertWeights {
         expert: id as usize,
+        format,
         w1_packed: part(0),
         w1_scale: part(1),
         w3_packed: part(2),
@@ -1192,7 +1230,7 @@ impl ExpertSource for ExpertCache<'_> {
                 name: format!("routed expert {id} of layer {layer}"),
                 msg: "not resident after its read (internal error)".to_string(),
             })?;
-            out.push(expert_view(id, buf, &t));
+            out.push(expert_view(id, self.store.format, buf, &t));
         }
         Ok(out)
     }
@@ -1234,7 +1272,7 @@ impl ExpertSource for ExpertCache<'_> {
                     (slot.state == SlotState::Ready)
                         .then_some(())
                         .and(slot.buf.as_ref())
-                        .map(|b| expert_view(ids[i], b.full(), &slot.tensors))
+                        .map(|b| expert_view(ids[i], self.store.format, b.full(), &slot.tensors))
                 })
                 .collect();
             if views.len() == at.len() {

@@ -1,4 +1,5 @@
-//! The same schema describes Kimi-Linear-48B (beyond scope: k3-run does not execute it):
+//! The same schema describes Kimi-Linear-48B (executed on a synthetic fixture by
+//! `runner/tests/kimi_linear.rs`):
 //! flat config layout, softplus KDA gate, low-rank output gate, direct q_proj, SiLU, BF16
 //! experts, plain residuals. Config from k3-architecture.md §1-§3 [KL] columns.
 

@@ -79,7 +79,17 @@ fn generated_fixtures_match_their_headers() {
         if !has_shards {
             continue;
         }
-        let spec = k3_models::load_spec(&common::manifest("kimi-k3"), &ckpt.join("config.json"))
+        // Kimi-Linear-style fixtures (flat config, `KimiLinearForCausalLM`) have their own
+        // manifest; every other fixture is K3-family.
+        let config = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
+        let manifest = if config.contains("\"KimiLinearForCausalLM\"")
+            && !config.contains("\"text_config\"")
+        {
+            "kimi-linear-48b"
+        } else {
+            "kimi-k3"
+        };
+        let spec = k3_models::load_spec(&common::manifest(manifest), &ckpt.join("config.json"))
             .unwrap_or_else(|e| panic!("{}: {e}", ckpt.display()));
         let diff = common::diff_inventory(&spec, &common::read_headers(&ckpt));
         assert!(diff.is_empty(), "{}: {diff:#?}", ckpt.display());

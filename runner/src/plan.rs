@@ -252,9 +252,10 @@ impl fmt::Display for Plan {
             .count();
         writeln!(
             f,
-            "plan for {}: {} layers ({} KDA, {} MLA; {} dense FFN, {} MoE)",
+            "plan for {}: {} layer{} ({} KDA, {} MLA; {} dense FFN, {} MoE)",
             self.model,
             self.layers.len(),
+            if self.layers.len() == 1 { "" } else { "s" },
             n_kda,
             n_mla,
             n_dense,

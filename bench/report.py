@@ -91,8 +91,12 @@ def ladder(d):
         else:
             e_bw = {}
         dram_bw = dram["dram"]["reference_gb_per_s"] * 1e9 if dram and dram.get("dram") else None
+        # The VM's DRAM probe has two phases (docs/PERFORMANCE.md, seventh session): two threads
+        # usually share ~30 GB/s, sometimes each gets its own (~55); show both figures.
+        dram_1t = dram["dram"].get("one_thread_gb_per_s") if dram and dram.get("dram") else None
         e = {"key": key, "name": name, "cap": cap, "args": args, "n_ok": len(ok),
              "n_runs": len(reps), "rcs": [m["rc"] for _, m in reps], "bw": bw, "dram_bw": dram_bw,
+             "dram_1t": dram_1t,
              "bw_orders": e_bw}
         if ok:
             n_dec = len(ok[0][0]["generated_ids"]) - 1
@@ -167,7 +171,8 @@ def ladder(d):
             out.append(f"| {key} | {e['cap']} | FAILED (rc {e['rcs']}) | | | | | | | | | | | |")
             continue
         bo = e.get("bw_orders", {})
-        bw = (f"{e['dram_bw']/1e9:.2f} GB/s DRAM" if e["name"].startswith("resident")
+        bw = (f"{e['dram_bw']/1e9:.2f} GB/s DRAM (1 thread {e['dram_1t'] or 0:.1f})"
+              if e["name"].startswith("resident")
               else (f"{e['bw']/1e6:.0f} MB/s QD16 (rnd {bo.get('random', 0):.0f} / seq "
                     f"{bo.get('sequential', 0):.0f})" if e["bw"] else "-"))
         tb = e.get("trunk_b")

@@ -204,6 +204,25 @@ fn budget_below_the_largest_layer_is_refused_with_numbers() {
 }
 
 #[test]
+fn the_pack_report_names_the_smallest_budget_that_streams() {
+    let dir = test_dir("trunk_min_slot");
+    let (model, spec) = synth_tiny(&dir, 13);
+    let trunk = dir.join("trunk");
+    let r = pack_trunk(&model, &spec, &trunk, false).expect("pack");
+    assert!(r.min_slot_bytes >= r.largest_layer_bytes && r.min_slot_bytes % 4096 == 0);
+    assert!(
+        r.summary().contains(&r.min_slot_bytes.to_string()),
+        "{}",
+        r.summary()
+    );
+    // Exactly that budget opens (one slot); one byte less is refused.
+    let t = StreamedTrunk::open(&trunk, &spec, &opts(r.min_slot_bytes, 2)).expect("min budget");
+    assert_eq!(t.plan().ring_slots, 1, "{:?}", t.plan());
+    drop(t);
+    StreamedTrunk::open(&trunk, &spec, &opts(r.min_slot_bytes - 1, 2)).expect_err("one byte less");
+}
+
+#[test]
 fn mmap_policy_serves_the_same_bytes() {
     let f = fixture("trunk_mmap");
     let ck = open_ckpt(&f.model, &f.spec);

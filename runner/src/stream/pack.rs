@@ -107,21 +107,27 @@ pub struct PackReport {
     pub file_bytes: u64,
     pub largest_layer: usize,
     pub largest_layer_bytes: u64,
+    /// One ring slot: the largest layer rounded up to the O_DIRECT alignment. The smallest
+    /// trunk budget that can stream from this pack.
+    pub min_slot_bytes: u64,
     pub seconds: f64,
 }
 
 impl PackReport {
     pub fn summary(&self) -> String {
         format!(
-            "packed {} layers, {} ({} with alignment) into {} in {:.1} s; largest layer {} ({}) \
-             sets the minimum ring slot size",
+            "packed {} layers, {} ({} with alignment) into {} in {:.1} s; largest layer {} ({}): \
+             one ring slot takes {} ({} bytes, 4 KiB-aligned reads), the smallest --trunk-gb \
+             that can stream from this trunk",
             self.n_layers,
             fmt_bytes(self.packed_bytes),
             fmt_bytes(self.file_bytes),
             self.trunk_bin.display(),
             self.seconds,
             self.largest_layer,
-            fmt_bytes(self.largest_layer_bytes)
+            fmt_bytes(self.largest_layer_bytes),
+            fmt_bytes(self.min_slot_bytes),
+            self.min_slot_bytes
         )
     }
 }
@@ -414,6 +420,7 @@ pub fn pack_trunk(
         file_bytes: manifest.file_bytes,
         largest_layer,
         largest_layer_bytes,
+        min_slot_bytes: align_up(largest_layer_bytes, IO_ALIGN as u64),
         seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -209,7 +209,7 @@ fn the_pack_report_names_the_smallest_budget_that_streams() {
     let (model, spec) = synth_tiny(&dir, 13);
     let trunk = dir.join("trunk");
     let r = pack_trunk(&model, &spec, &trunk, false).expect("pack");
-    assert!(r.min_slot_bytes >= r.largest_layer_bytes && r.min_slot_bytes % 4096 == 0);
+    assert!(r.min_slot_bytes >= r.largest_layer_bytes && r.min_slot_bytes.is_multiple_of(4096));
     assert!(
         r.summary().contains(&r.min_slot_bytes.to_string()),
         "{}",

@@ -570,7 +570,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         print!("{t}");
         return Ok(exit::OK);
     }
-    if a.chat.chat {
+    if a.chat.chat || a.chat.serve.is_some() {
         return chat_main(a);
     }
     let model_dir = a
@@ -890,7 +890,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     Ok(exit::OK)
 }
 
-/// `--chat`: load the model (memory flags apply) and hand it to the REPL.
+/// `--chat` / `--serve`: load the model (memory flags apply) and hand it to the REPL or the
+/// HTTP server.
 fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     crate::chat::preflight(a)?;
     let model_dir = a

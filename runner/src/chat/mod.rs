@@ -12,6 +12,7 @@
 pub mod render;
 pub mod repl;
 pub mod sample;
+pub mod serve;
 pub mod session;
 
 use std::path::PathBuf;
@@ -37,13 +38,18 @@ pub struct ChatArgs {
     /// validated and re-prefilled at start, one turn appended per reply. Created 0600.
     #[arg(long, requires = "chat")]
     pub history: Option<PathBuf>,
-    /// Chat: no thinking (no effort message, earlier turns without the think channel, the
-    /// reply starts in the response channel).
-    #[arg(long, requires = "chat")]
+    /// Chat / serve: no thinking (no effort message, earlier turns without the think
+    /// channel, the reply starts in the response channel).
+    #[arg(long)]
     pub no_think: bool,
-    /// Chat: thinking effort low, high or max (default max).
-    #[arg(long, requires = "chat", value_name = "E")]
+    /// Chat / serve: thinking effort low, high or max (default max).
+    #[arg(long, value_name = "E")]
     pub thinking_effort: Option<String>,
+    /// Serve the model over HTTP at ADDR (e.g. 127.0.0.1:8080; port 0 picks a free one), with
+    /// an OpenAI-compatible `POST /v1/chat/completions` (streaming too) and `GET /v1/models`.
+    /// See docs/CHAT.md.
+    #[arg(long, value_name = "ADDR", conflicts_with = "chat")]
+    pub serve: Option<String>,
     /// Chat: sample with this temperature (switches sampling on; default 1.0; 0 = greedy).
     #[arg(long, requires = "chat")]
     pub temperature: Option<f32>,
@@ -111,6 +117,9 @@ pub fn render_chat_main(a: &RenderChatArgs) -> Result<u8, Failure> {
 /// model is loaded, so a typo fails in a second rather than after loading weights.
 /// [`repl_main`] repeats these checks.
 pub fn preflight(run: &RunArgs) -> Result<(), Failure> {
+    if run.chat.serve.is_some() {
+        return serve::preflight(run);
+    }
     repl::preflight(run)
 }
 
@@ -121,5 +130,8 @@ pub fn repl_main(
     providers: &mut Providers<'_>,
     run: &RunArgs,
 ) -> Result<u8, Failure> {
+    if run.chat.serve.is_some() {
+        return serve::main(spec, exec, providers, run);
+    }
     repl::main(spec, exec, providers, run)
 }

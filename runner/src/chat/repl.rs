@@ -71,7 +71,7 @@ pub fn tokenizer_dir(run: &RunArgs) -> Result<PathBuf, Failure> {
 }
 
 /// Whether `--gen` was given on this process's command line (chat has its own default).
-fn gen_given_on_command_line() -> bool {
+pub(crate) fn gen_given_on_command_line() -> bool {
     use clap::CommandFactory;
     use clap::parser::ValueSource;
     crate::cli::Cli::command()
@@ -91,7 +91,7 @@ pub fn gen_limit(run: &RunArgs, given: bool) -> Result<usize, Failure> {
 }
 
 /// A seed for sampling without `--seed` (printed, so the session can be replayed).
-fn fresh_seed() -> u64 {
+pub(crate) fn fresh_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);

@@ -258,6 +258,22 @@ impl<'s> Session<'s> {
         Ok(())
     }
 
+    /// Replace the transcript WITHOUT dropping the model state: the next turn still reuses
+    /// the state as far as its prompt extends what was fed (with `incremental`). For callers
+    /// that receive whole conversations (the HTTP server).
+    pub fn set_messages(&mut self, messages: Vec<Message>) -> Result<(), SessionError> {
+        chat::render_prompt(&messages, &self.opts)?;
+        self.messages = messages;
+        Ok(())
+    }
+
+    /// Settings of the next turns: the generation limit and the sampling (the HTTP server
+    /// takes them per request).
+    pub fn set_turn_settings(&mut self, n_gen: usize, sampling: Sampling) {
+        self.cfg.n_gen = n_gen;
+        self.cfg.sampling = sampling;
+    }
+
     fn drop_state(&mut self) {
         self.state = SeqState::new(self.spec);
         self.fed.clear();

@@ -1,0 +1,513 @@
+//! `k3-run MODEL_DIR --serve ADDR`: an OpenAI-compatible HTTP endpoint (SYSTEM.md §10), so
+//! existing clients can talk to the model.
+//!
+//! - `POST /v1/chat/completions`: `messages` (system / user / assistant records, the last one
+//!   from the user; `reasoning_content` on assistant records is kept), `max_tokens` /
+//!   `max_completion_tokens` (default `--gen`, chat's 4096), `temperature`, `top_p`, `seed`,
+//!   `stream`. Without `temperature` / `top_p` / `seed` the reply is greedy (deterministic),
+//!   like `--chat`; with them, turn k of a conversation draws from PCG32 stream k of the seed,
+//!   so a request reproduces the `--chat` turn with the same flags. The reply's thinking
+//!   channel is returned as `reasoning_content` (thinking follows `--no-think` /
+//!   `--thinking-effort`, fixed for the server). `stream: true` sends server-sent events
+//!   (`chat.completion.chunk` deltas, then `data: [DONE]`).
+//! - `GET /v1/models`: the one model.
+//!
+//! One request at a time, on the thread that owns the model. With `--incremental` the decode
+//! state is kept between requests and reused as far as the next prompt extends it (a client
+//! that resends the whole conversation feeds only the new turn). Requests that ask for what
+//! is not implemented (`n` > 1, tools, stop strings, logprobs) get a 400 naming the field.
+//! Ctrl-C stops the server after the current request (a reply being generated is cut short).
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k3_models::spec::ModelSpec;
+use k3_text::chat::{Message, Role, Thinking};
+use k3_text::reply::Channel;
+use k3_text::tokenizer::Tokenizer;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::repl::{fresh_seed, gen_given_on_command_line, gen_limit, tokenizer_dir};
+use super::sample::Sampling;
+use super::session::{Event, Session, SessionConfig, SessionError, Stop};
+use crate::cli::{Failure, RunArgs, exit};
+use crate::exec::{ExecError, Executor, Providers};
+
+/// Largest request body read (a long conversation fits easily).
+const MAX_BODY: usize = 16 << 20;
+
+fn usage(e: impl std::fmt::Display) -> Failure {
+    Failure::usage(e.to_string())
+}
+
+/// What the server needs before the model loads: tokenizer, thinking mode, default limit.
+struct Prepared {
+    tok: Tokenizer,
+    thinking: Thinking,
+    n_gen: usize,
+}
+
+fn prepare(run: &RunArgs) -> Result<Prepared, Failure> {
+    if run.ids.is_some() || run.prompt.is_some() || run.prompt_file.is_some() {
+        return Err(Failure::usage(
+            "--serve takes its prompts from HTTP requests; --ids, --prompt and --prompt-file \
+             are not used with it",
+        ));
+    }
+    let tok = Tokenizer::load(&tokenizer_dir(run)?).map_err(usage)?;
+    let c = &run.chat;
+    let thinking = Thinking::from_flags(c.no_think, c.thinking_effort.as_deref()).map_err(usage)?;
+    let n_gen = gen_limit(run, gen_given_on_command_line())?;
+    Ok(Prepared {
+        tok,
+        thinking,
+        n_gen,
+    })
+}
+
+/// Check the flags and the tokenizer before the model is loaded.
+pub fn preflight(run: &RunArgs) -> Result<(), Failure> {
+    prepare(run).map(|_| ())
+}
+
+/// A request's fields; unknown fields are ignored (clients send many), the ones that would
+/// change the meaning and are not implemented are refused in [`ChatRequest::check`].
+#[derive(Deserialize, Debug)]
+struct ChatRequest {
+    messages: Vec<Message>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    stop: Option<Value>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+}
+
+impl ChatRequest {
+    fn check(&self) -> Result<(), String> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err("`n`: only one choice per request is supported".into());
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err("`tools`: tool calling is not supported by this server".into());
+        }
+        if self.stop.as_ref().is_some_and(|s| !s.is_null()) {
+            return Err(
+                "`stop`: stop strings are not supported (the server stops at <|end_of_msg|>, \
+                 the model's eos ids and --stop-id)"
+                    .into(),
+            );
+        }
+        if self.logprobs == Some(true) {
+            return Err("`logprobs`: not supported".into());
+        }
+        let Some(last) = self.messages.last() else {
+            return Err("`messages`: empty".into());
+        };
+        if last.role != Role::User {
+            return Err("`messages`: the last message must be from the user".into());
+        }
+        if let Some(m) = self.messages.iter().find(|m| m.role == Role::Tool) {
+            return Err(format!(
+                "`messages`: tool records are not supported ({:?})",
+                m.content
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// HTTP/1.1 chunked framing over the raw connection of a streamed response, so clients know
+/// where it ends and the connection stays usable. Every `write` is one chunk.
+struct Chunked(Box<dyn Write + Send>);
+
+impl Write for Chunked {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        write!(self.0, "{:x}\r\n", buf.len())?;
+        self.0.write_all(buf)?;
+        self.0.write_all(b"\r\n")?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl Chunked {
+    /// The terminating zero-length chunk.
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.0.write_all(b"0\r\n\r\n")?;
+        self.0.flush()
+    }
+}
+
+/// An HTTP error with an OpenAI-style body.
+struct HttpError {
+    status: u16,
+    kind: &'static str,
+    message: String,
+}
+
+impl HttpError {
+    fn bad(message: impl Into<String>) -> Self {
+        HttpError {
+            status: 400,
+            kind: "invalid_request_error",
+            message: message.into(),
+        }
+    }
+    fn body(&self) -> String {
+        json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}})
+            .to_string()
+    }
+}
+
+fn json_header() -> tiny_http::Header {
+    tiny_http::Header::from_bytes("Content-Type", "application/json").expect("static header")
+}
+
+fn respond_json(req: tiny_http::Request, status: u16, body: String) {
+    let r = tiny_http::Response::from_string(body)
+        .with_status_code(status)
+        .with_header(json_header());
+    // A client that went away is not the server's problem.
+    let _ = req.respond(r);
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn finish_reason(stop: Stop) -> &'static str {
+    match stop {
+        Stop::EndOfMessage | Stop::StopId(_) => "stop",
+        Stop::GenLimit | Stop::ContextFull { .. } => "length",
+        Stop::Interrupted => "interrupted",
+    }
+}
+
+/// The server. Returns the exit code when Ctrl-C stops it; a forward-pass failure (e.g. an
+/// expert that cannot be read) answers 500 and stops it with that failure's exit code.
+pub fn main(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    providers: &mut Providers<'_>,
+    run: &RunArgs,
+) -> Result<u8, Failure> {
+    let Prepared {
+        tok,
+        thinking,
+        n_gen,
+    } = prepare(run)?;
+    let addr = run.chat.serve.as_deref().unwrap_or("127.0.0.1:8080");
+    let mut extra_stop_ids = spec.eos_token_ids.clone();
+    extra_stop_ids.extend(tok.id_of("[EOS]"));
+    extra_stop_ids.extend(&run.stop_ids);
+    let cfg = SessionConfig {
+        thinking,
+        n_gen,
+        incremental: run.incremental,
+        sampling: Sampling::Greedy,
+        extra_stop_ids,
+    };
+    let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
+    let server = tiny_http::Server::http(addr)
+        .map_err(|e| Failure::usage(format!("--serve {addr}: cannot listen: {e}")))?;
+    let bound = server
+        .server_addr()
+        .to_ip()
+        .map_or_else(|| addr.to_string(), |a| a.to_string());
+    println!(
+        "k3-run serve: listening on http://{bound} (model {}, {} layers; {}; default max_tokens \
+         {n_gen}; context {} positions; {}); POST /v1/chat/completions, GET /v1/models; Ctrl-C \
+         stops",
+        spec.name,
+        spec.n_layers,
+        match thinking {
+            Thinking::Off => "thinking off".to_string(),
+            Thinking::On { effort: Some(e) } => format!("thinking effort {e}"),
+            Thinking::On { effort: None } => "thinking on".to_string(),
+        },
+        exec.plan().max_positions,
+        if run.incremental {
+            "state reused across requests"
+        } else {
+            "full prefill per request"
+        }
+    );
+    let _ = std::io::stdout().flush();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sig_ids: Vec<_> = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
+        .into_iter()
+        .map(|s| signal_hook::flag::register(s, Arc::clone(&stop)))
+        .collect::<Result<_, _>>()
+        .map_err(|e| Failure::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
+    let mut served = 0u64;
+    let result = loop {
+        if stop.load(Ordering::Relaxed) {
+            break Ok(exit::INTERRUPTED);
+        }
+        let req = match server.recv_timeout(Duration::from_millis(200)) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => break Err(Failure::usage(format!("--serve {bound}: {e}"))),
+        };
+        served += 1;
+        if let Err(f) = handle(spec, &mut session, exec, providers, req, &stop, served) {
+            break Err(f);
+        }
+    };
+    for id in sig_ids {
+        signal_hook::low_level::unregister(id);
+    }
+    eprintln!("k3-run serve: stopped after {served} request(s)");
+    result
+}
+
+/// One request. `Err` only for a failure that must stop the server.
+fn handle(
+    spec: &ModelSpec,
+    session: &mut Session<'_>,
+    exec: &mut Executor<'_>,
+    providers: &mut Providers<'_>,
+    mut req: tiny_http::Request,
+    stop: &AtomicBool,
+    n: u64,
+) -> Result<(), Failure> {
+    let path = req.url().split('?').next().unwrap_or("").to_string();
+    let method = req.method().clone();
+    match (method, path.as_str()) {
+        (tiny_http::Method::Get, "/v1/models") => {
+            let body = json!({"object": "list", "data": [
+                {"id": spec.name, "object": "model", "created": 0, "owned_by": "k3-run"}]});
+            respond_json(req, 200, body.to_string());
+            Ok(())
+        }
+        (tiny_http::Method::Post, "/v1/chat/completions") => {
+            let mut body = Vec::new();
+            let read = req
+                .as_reader()
+                .take(MAX_BODY as u64 + 1)
+                .read_to_end(&mut body);
+            let parsed = match read {
+                Err(e) => Err(HttpError::bad(format!("cannot read the request body: {e}"))),
+                Ok(_) if body.len() > MAX_BODY => Err(HttpError {
+                    status: 413,
+                    kind: "invalid_request_error",
+                    message: format!("request body larger than {MAX_BODY} bytes"),
+                }),
+                Ok(_) => serde_json::from_slice::<ChatRequest>(&body)
+                    .map_err(|e| HttpError::bad(format!("request body: {e}")))
+                    .and_then(|r| r.check().map(|()| r).map_err(HttpError::bad)),
+            };
+            match parsed {
+                Err(e) => {
+                    respond_json(req, e.status, e.body());
+                    Ok(())
+                }
+                Ok(r) => complete(spec, session, exec, providers, req, r, stop, n),
+            }
+        }
+        (_, "/v1/models" | "/v1/chat/completions") => {
+            let e = HttpError {
+                status: 405,
+                kind: "invalid_request_error",
+                message: format!("{path}: method not allowed"),
+            };
+            respond_json(req, e.status, e.body());
+            Ok(())
+        }
+        _ => {
+            let e = HttpError {
+                status: 404,
+                kind: "invalid_request_error",
+                message: format!("{path}: not found (POST /v1/chat/completions, GET /v1/models)"),
+            };
+            respond_json(req, e.status, e.body());
+            Ok(())
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn complete(
+    spec: &ModelSpec,
+    session: &mut Session<'_>,
+    exec: &mut Executor<'_>,
+    providers: &mut Providers<'_>,
+    req: tiny_http::Request,
+    r: ChatRequest,
+    stop: &AtomicBool,
+    n: u64,
+) -> Result<(), Failure> {
+    let n_gen = r
+        .max_completion_tokens
+        .or(r.max_tokens)
+        .unwrap_or(session.config().n_gen);
+    if n_gen == 0 || n_gen > super::repl::MAX_GEN {
+        let e = HttpError::bad(format!(
+            "`max_tokens` {n_gen}: 1..={} tokens per reply",
+            super::repl::MAX_GEN
+        ));
+        respond_json(req, e.status, e.body());
+        return Ok(());
+    }
+    let sampling = match Sampling::from_flags(false, r.temperature, r.top_p, r.seed, fresh_seed) {
+        Ok(s) => s,
+        Err(e) => {
+            let e = HttpError::bad(
+                e.to_string()
+                    .replace("--temperature", "`temperature`")
+                    .replace("--top-p", "`top_p`"),
+            );
+            respond_json(req, e.status, e.body());
+            return Ok(());
+        }
+    };
+    let mut messages = r.messages;
+    let user = messages
+        .pop()
+        .expect("checked: the last message is the user's");
+    if let Err(e) = session.set_messages(messages) {
+        let e = HttpError::bad(format!("`messages`: {e}"));
+        respond_json(req, e.status, e.body());
+        return Ok(());
+    }
+    session.set_turn_settings(n_gen, sampling);
+    let id = format!("chatcmpl-k3run-{n}");
+    let created = now_secs();
+    let model = r.model.unwrap_or_else(|| spec.name.clone());
+
+    // Streaming: headers now, then one event per piece of text. The turn stops early when the
+    // client goes away or Ctrl-C is pressed.
+    let cut = AtomicBool::new(false);
+    let (mut writer, mut pending_req) = if r.stream {
+        let mut raw = req.into_writer();
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: \
+                    no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
+        if raw
+            .write_all(head.as_bytes())
+            .and_then(|()| raw.flush())
+            .is_err()
+        {
+            return Ok(());
+        }
+        let mut w = Chunked(raw);
+        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            "finish_reason": null}]});
+        let _ = w.write_all(format!("data: {first}\n\n").as_bytes());
+        (Some(w), None)
+    } else {
+        (None, Some(req))
+    };
+    let outcome = {
+        let mut on_event = |ev: Event<'_>| {
+            if stop.load(Ordering::Relaxed) {
+                cut.store(true, Ordering::Relaxed);
+            }
+            let (Some(w), Event::Text { channel, text }) = (writer.as_mut(), ev) else {
+                return;
+            };
+            let delta = match channel {
+                Channel::Think => json!({"reasoning_content": text}),
+                Channel::Response => json!({"content": text}),
+                Channel::Tools | Channel::Between => return,
+            };
+            let chunk = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
+            if w.write_all(format!("data: {chunk}\n\n").as_bytes())
+                .and_then(|()| w.flush())
+                .is_err()
+            {
+                cut.store(true, Ordering::Relaxed);
+            }
+        };
+        session.turn(exec, providers, &user.content, &cut, &mut on_event)
+    };
+    match outcome {
+        Ok(o) => {
+            let usage = json!({"prompt_tokens": o.prefill.total,
+                "completion_tokens": o.generated.len(),
+                "total_tokens": o.prefill.total + o.generated.len()});
+            let k3 = json!({"reused_positions": o.prefill.reused, "fed_positions": o.prefill.fed,
+                "prefill_seconds": o.prefill.seconds, "decode_seconds": o.decode_seconds});
+            let finish = finish_reason(o.stop);
+            if let Some(mut w) = writer.take() {
+                let last = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                    "usage": usage, "k3": k3});
+                let _ = w
+                    .write_all(format!("data: {last}\n\ndata: [DONE]\n\n").as_bytes())
+                    .and_then(|()| w.finish());
+            } else if let Some(req) = pending_req.take() {
+                let mut message = json!({"role": "assistant", "content": o.reply.content});
+                if !o.reply.reasoning_content.is_empty() {
+                    message["reasoning_content"] = json!(o.reply.reasoning_content);
+                }
+                let body = json!({"id": id, "object": "chat.completion", "created": created,
+                    "model": model, "choices": [{"index": 0, "message": message,
+                    "finish_reason": finish}], "usage": usage, "k3": k3});
+                respond_json(req, 200, body.to_string());
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let fatal = matches!(e, SessionError::Exec(_));
+            let status = if fatal { 500 } else { 400 };
+            let err = HttpError {
+                status,
+                kind: if fatal {
+                    "server_error"
+                } else {
+                    "invalid_request_error"
+                },
+                message: e.to_string(),
+            };
+            if let Some(mut w) = writer.take() {
+                let _ = w
+                    .write_all(format!("data: {}\n\n", err.body()).as_bytes())
+                    .and_then(|()| w.finish());
+            } else if let Some(req) = pending_req.take() {
+                respond_json(req, status, err.body());
+            }
+            match e {
+                SessionError::Exec(e) => Err(Failure {
+                    code: match &e {
+                        ExecError::Weight(crate::weights::WeightError::Expert { .. }) => {
+                            exit::EXPERT_LOAD
+                        }
+                        _ => exit::FORWARD,
+                    },
+                    msg: e.to_string(),
+                }),
+                _ => Ok(()),
+            }
+        }
+    }
+}

@@ -182,6 +182,11 @@ pub struct RunArgs {
     /// Prompt token ids, comma-separated (no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
+    /// Several prompts decoded together, id lists separated by ';' (e.g. "1,2,3;4,5"): every
+    /// decode step feeds each sequence one token and reads a streamed trunk once for all of
+    /// them; each sequence's ids equal generating it alone.
+    #[arg(long, value_name = "IDS;IDS...", conflicts_with_all = ["ids", "prompt", "prompt_file", "chat", "serve", "save_state", "load_state"])]
+    pub batch_ids: Option<String>,
     /// Prompt text (needs --tok); encoded as plain text (control-marker strings stay text).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -573,6 +578,9 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.chat.chat || a.chat.serve.is_some() {
         return chat_main(a);
     }
+    if a.batch_ids.is_some() {
+        return batch_main(a);
+    }
     let model_dir = a
         .model_dir
         .as_deref()
@@ -924,6 +932,152 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("  {l}");
     }
     crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
+}
+
+/// `--batch-ids "A;B;..."`: parse one id list per sequence.
+fn batch_prompts(text: &str) -> Result<Vec<Vec<u32>>, Failure> {
+    let mut out = Vec::new();
+    for (i, part) in text.split(';').enumerate() {
+        let ids: Result<Vec<u32>, _> = part
+            .split(',')
+            .map(|t| t.trim())
+            .filter(|t| !t.is_empty())
+            .map(str::parse::<u32>)
+            .collect();
+        match ids {
+            Ok(v) if !v.is_empty() => out.push(v),
+            Ok(_) => {
+                return Err(Failure::usage(format!(
+                    "--batch-ids: prompt {} is empty",
+                    i + 1
+                )));
+            }
+            Err(e) => {
+                return Err(Failure::usage(format!(
+                    "--batch-ids: prompt {}: {e} (ids are non-negative integers, lists \
+                     separated by ';')",
+                    i + 1
+                )));
+            }
+        }
+    }
+    if out.len() > 64 {
+        return Err(Failure::usage("--batch-ids: at most 64 prompts"));
+    }
+    Ok(out)
+}
+
+/// `--batch-ids`: several prompts decoded together (memory flags apply).
+fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
+    let model_dir = a
+        .model_dir
+        .as_deref()
+        .ok_or_else(|| Failure::usage("a model directory is required (see --help)"))?;
+    let prompts = batch_prompts(a.batch_ids.as_deref().unwrap_or(""))?;
+    if a.n_gen > 4096 {
+        return Err(Failure::usage(format!(
+            "--gen {} exceeds the maximum of 4096",
+            a.n_gen
+        )));
+    }
+    if !a.incremental {
+        return Err(Failure::usage(
+            "--batch-ids decodes incrementally: add --incremental",
+        ));
+    }
+    let (settings, notes) = memory_settings(a)?;
+    let spec = run_spec(a, model_dir)?;
+    for (i, p) in prompts.iter().enumerate() {
+        if let Some(bad) = p.iter().find(|&&t| t as usize >= spec.vocab_size) {
+            return Err(Failure::usage(format!(
+                "--batch-ids: prompt {}: token {bad} is outside the vocabulary (size {})",
+                i + 1,
+                spec.vocab_size
+            )));
+        }
+    }
+    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let threads = run_threads(a)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let positions = a
+        .max_context
+        .unwrap_or(longest + a.n_gen)
+        .max(longest + a.n_gen);
+    let plan = Plan::new(&spec, positions);
+    for n in &notes {
+        eprintln!("{n}");
+    }
+    let mem_limit = crate::stream::plan::memory_limit();
+    let mut session =
+        crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
+            .map_err(stream_failure)?;
+    eprintln!("memory plan:");
+    for l in &session.startup {
+        eprintln!("  {l}");
+    }
+    // every sequence holds its own decode state
+    let state_line = crate::session::check_state(
+        &plan,
+        positions * prompts.len(),
+        session.planned_bytes,
+        mem_limit.bytes(),
+    )
+    .map_err(stream_failure)?;
+    eprintln!("  {state_line} (x {} sequences)", prompts.len());
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
+    let mut exec = Executor::new(&spec, plan, threads);
+    if let Some(l) = session.configure_pool(exec.pool()) {
+        eprintln!("  {l}");
+    }
+    let providers = &mut session.providers;
+    let trunk_before = providers.trunk.stats().bytes_read;
+    let mut on_step = |i: usize, chosen: &[(usize, u32)]| {
+        let ids: Vec<String> = chosen.iter().map(|(b, t)| format!("{b}:{t}")).collect();
+        println!("step {i:>4}: {}", ids.join(" "));
+        !interrupted.load(Ordering::Relaxed)
+    };
+    let res = run::generate_batch(
+        &spec,
+        &mut exec,
+        providers,
+        &prompts,
+        a.n_gen,
+        &a.stop_ids,
+        &mut on_step,
+    )
+    .map_err(exec_failure)?;
+    let trunk_read = providers.trunk.stats().bytes_read - trunk_before;
+    for (b, s) in res.sequences.iter().enumerate() {
+        println!(
+            "sequence {b}: generated ids {:?}{}",
+            s.generated_ids,
+            s.stopped_by
+                .as_deref()
+                .map_or(String::new(), |w| format!(" (stopped: {w})"))
+        );
+    }
+    println!(
+        "batch: {} sequences, {} decode steps, {:.4} s/step, prefill {:.3} s; trunk read {:.3} GB \
+         during the run",
+        prompts.len(),
+        res.steps,
+        res.seconds_per_step,
+        res.prefill_seconds,
+        trunk_read as f64 / 1e9
+    );
+    let mut v = serde_json::to_value(&res).map_err(|e| Failure::usage(e.to_string()))?;
+    v["trunk_bytes_read"] = serde_json::json!(trunk_read);
+    v["peak_rss_bytes"] = serde_json::json!(run::peak_rss_bytes());
+    let bytes = serde_json::to_vec_pretty(&v).map_err(|e| Failure::usage(e.to_string()))?;
+    write_atomic(&a.out, &bytes).map_err(|e| Failure {
+        code: exit::OUT_WRITE,
+        msg: format!("cannot write --out {}: {e}", a.out.display()),
+    })?;
+    if interrupted.load(Ordering::Relaxed) {
+        return Ok(exit::INTERRUPTED);
+    }
+    Ok(exit::OK)
 }
 
 /// Write a file via a temporary name and rename, so a reader never sees half a file.

@@ -620,6 +620,107 @@ impl<'s> Executor<'s> {
         if last > 0 {
             carries[last - 1].swap_with(&mut self.s);
         }
+        self.output(w, logits)?;
+        state.n_pos += tokens.len();
+        Ok(())
+    }
+
+    /// One decode step of SEVERAL sequences that share each layer's weights: token
+    /// `tokens[b]` of sequence `states[b]` at its position `states[b].n_pos`, logits into
+    /// `logits[b]`. Layer-major like [`Self::prefill`]: each layer is fetched once (a streamed
+    /// trunk is read once per step for the whole batch) and applied to the sequences in turn,
+    /// each through exactly the operations of [`Self::step`] on its own state, so every
+    /// sequence's bits equal stepping it alone. The expert source sees one `begin_token`.
+    pub fn step_batch(
+        &mut self,
+        tokens: &[u32],
+        states: &mut [SeqState],
+        w: &mut Providers<'_>,
+        logits: &mut [Vec<f32>],
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        assert!(
+            tokens.len() == states.len() && tokens.len() == logits.len(),
+            "step_batch: one token, state and logits buffer per sequence"
+        );
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
+            return Err(ExecError::BadToken {
+                token,
+                vocab: spec.vocab_size,
+            });
+        }
+        if let Some(st) = states
+            .iter()
+            .find(|s| s.n_pos + 1 > self.plan.max_positions)
+        {
+            return Err(ExecError::ContextFull {
+                pos: st.n_pos,
+                max: self.plan.max_positions,
+            });
+        }
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        w.experts.begin_token();
+        // Sequence 0's residual carry lives in the scratch, the others' in `carries`.
+        let mut carries: Vec<Carry> = Vec::with_capacity(tokens.len() - 1);
+        for (b, &token) in tokens.iter().enumerate() {
+            let (partial, blocks) = if b == 0 {
+                (&mut self.s.partial, &mut self.s.blocks)
+            } else {
+                carries.push(Carry {
+                    partial: vec![0.0; spec.d_model],
+                    has_partial: true,
+                    blocks: Vec::new(),
+                });
+                let c = carries.last_mut().expect("just pushed");
+                (&mut c.partial, &mut c.blocks)
+            };
+            w.global.embed_row(token, partial)?;
+            blocks.clear();
+        }
+        self.s.has_partial = true;
+        if let Some(g) = self.guess.as_mut() {
+            g.ahead_for.clear();
+        }
+        for l in 0..spec.n_layers {
+            let lw = w.trunk.layer(l)?;
+            for (b, st) in states.iter_mut().enumerate() {
+                if b > 0 {
+                    carries[b - 1].swap_with(&mut self.s);
+                }
+                let r = self.layer(
+                    l,
+                    &lw,
+                    None,
+                    &mut st.layers[l],
+                    st.n_pos,
+                    w.experts.as_mut(),
+                );
+                if b > 0 {
+                    carries[b - 1].swap_with(&mut self.s);
+                }
+                r?;
+            }
+        }
+        for (b, (st, lg)) in states.iter_mut().zip(logits.iter_mut()).enumerate() {
+            if b > 0 {
+                carries[b - 1].swap_with(&mut self.s);
+            }
+            let r = self.output(w, lg);
+            if b > 0 {
+                carries[b - 1].swap_with(&mut self.s);
+            }
+            r?;
+            st.n_pos += 1;
+        }
+        Ok(())
+    }
+
+    /// The output head for the residual carry in the scratch: the final AttnRes mix (or the
+    /// residual stream), the final norm and the lm_head into `logits`.
+    fn output(&mut self, w: &mut Providers<'_>, logits: &mut [f32]) -> Result<(), ExecError> {
+        let spec = self.spec;
         let s = &mut self.s;
         // out.hidden
         match &spec.attn_res {
@@ -653,7 +754,6 @@ impl<'s> Executor<'s> {
         ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
         // out.logits
         w.global.lm_head(&self.pool, &s.xn, logits)?;
-        state.n_pos += tokens.len();
         Ok(())
     }
 

@@ -142,6 +142,112 @@ pub fn generate_from(
     Ok((res, state))
 }
 
+/// Called after every batched step with the (sequence, id) pairs chosen; false stops.
+pub type OnStep<'f> = dyn FnMut(usize, &[(usize, u32)]) -> bool + 'f;
+
+/// What a batched generation produced.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct BatchResult {
+    /// Per sequence: prompt, greedy ids, first-step logits hash, why it stopped early.
+    pub sequences: Vec<GenResult>,
+    /// Decode steps run (each feeds every still-active sequence one token).
+    pub steps: usize,
+    pub prefill_seconds: f64,
+    /// Mean seconds per decode step (all active sequences together).
+    pub seconds_per_step: f64,
+    pub total_seconds: f64,
+}
+
+/// Greedy generation of several prompts decoded TOGETHER ([`Executor::step_batch`]): each
+/// prompt is prefilled on its own, then every step feeds each active sequence its next id, so
+/// a streamed trunk is read once per step for all of them. A sequence leaves the batch at a
+/// stop id or after `n_gen` ids. Each sequence's ids and first-step hash equal generating it
+/// alone. `on_step(i)` runs after step i's ids are chosen; false stops the batch.
+pub fn generate_batch(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    prompts: &[Vec<u32>],
+    n_gen: usize,
+    stop_ids: &[u32],
+    on_step: &mut OnStep<'_>,
+) -> Result<BatchResult, ExecError> {
+    let t0 = Instant::now();
+    let n = prompts.len();
+    let mut states: Vec<SeqState> = (0..n).map(|_| SeqState::new(spec)).collect();
+    let mut logits = vec![vec![0.0f32; spec.vocab_size]; n];
+    let mut res = BatchResult::default();
+    for (b, p) in prompts.iter().enumerate() {
+        for chunk in p.chunks(PREFILL_CHUNK) {
+            exec.prefill(chunk, &mut states[b], w, &mut logits[b])?;
+        }
+        res.sequences.push(GenResult {
+            prompt_ids: p.clone(),
+            first_logits_hash: logits_hash(&logits[b]),
+            ..GenResult::default()
+        });
+    }
+    res.prefill_seconds = t0.elapsed().as_secs_f64();
+    let mut active: Vec<usize> = (0..n).collect();
+    let mut decode_seconds = 0.0;
+    for i in 0..n_gen {
+        let mut chosen = Vec::with_capacity(active.len());
+        let mut next_active = Vec::with_capacity(active.len());
+        for &b in &active {
+            let next = ops::argmax(&logits[b]) as u32;
+            res.sequences[b].generated_ids.push(next);
+            chosen.push((b, next));
+            if stop_ids.contains(&next) {
+                res.sequences[b].stopped_by = Some(format!("stop id {next}"));
+            } else if i + 1 < n_gen {
+                next_active.push(b);
+            }
+        }
+        if !on_step(i, &chosen) {
+            for &b in &next_active {
+                res.sequences[b].stopped_by = Some("interrupted".into());
+            }
+            break;
+        }
+        active = next_active;
+        if active.is_empty() {
+            break;
+        }
+        let ts = Instant::now();
+        let tokens: Vec<u32> = active
+            .iter()
+            .map(|&b| *res.sequences[b].generated_ids.last().expect("just pushed"))
+            .collect();
+        let empty = || SeqState {
+            layers: Vec::new(),
+            n_pos: 0,
+        };
+        let mut st: Vec<SeqState> = active
+            .iter()
+            .map(|&b| std::mem::replace(&mut states[b], empty()))
+            .collect();
+        let mut lg: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&b| std::mem::take(&mut logits[b]))
+            .collect();
+        let r = exec.step_batch(&tokens, &mut st, w, &mut lg);
+        for ((&b, s), l) in active.iter().zip(st).zip(lg) {
+            states[b] = s;
+            logits[b] = l;
+        }
+        r?;
+        decode_seconds += ts.elapsed().as_secs_f64();
+        res.steps += 1;
+    }
+    res.seconds_per_step = if res.steps > 0 {
+        decode_seconds / res.steps as f64
+    } else {
+        0.0
+    };
+    res.total_seconds = t0.elapsed().as_secs_f64();
+    Ok(res)
+}
+
 /// Teacher forcing: feed `ids` token by token and return the argmax after every position
 /// (and the logits if asked).
 pub fn teacher_forced(

@@ -549,3 +549,78 @@ fn expert_prefetch_takes_a_margin_and_keeps_the_reference_ids() {
     ]);
     expect_fail(&o, 2, &["--expert-prefetch", "margin", "maybe"]);
 }
+
+#[test]
+fn batch_ids_decode_together_with_each_sequences_own_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let prompts = ["11,22,33,44,55,66,77,88,99,110", "5,6,7", "200"];
+    let mut want = Vec::new();
+    for p in prompts {
+        let out = tmp.path().join("one.json");
+        let o = k3(&[
+            a,
+            "--ids",
+            p,
+            "--gen",
+            "6",
+            "--incremental",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        want.push((ids_of(&v["generated_ids"]), v["first_logits_hash"].clone()));
+    }
+    let out = tmp.path().join("batch.json");
+    let joined = prompts.join(";");
+    let o = k3(&[
+        a,
+        "--batch-ids",
+        &joined,
+        "--gen",
+        "6",
+        "--incremental",
+        "--threads",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let seqs = v["sequences"].as_array().expect("sequences");
+    assert_eq!(seqs.len(), 3);
+    for (s, (ids, hash)) in seqs.iter().zip(&want) {
+        assert_eq!(&ids_of(&s["generated_ids"]), ids, "batched ids differ");
+        assert_eq!(
+            &s["first_logits_hash"], hash,
+            "batched first-step bits differ"
+        );
+    }
+    assert_eq!(v["steps"], 5);
+    assert!(
+        stdout(&o).contains("sequence 1: generated ids"),
+        "{}",
+        stdout(&o)
+    );
+    // usage errors
+    for (args, needle) in [
+        (
+            vec![a, "--batch-ids", "1,2;;3", "--incremental"],
+            "prompt 2 is empty",
+        ),
+        (vec![a, "--batch-ids", "1,x", "--incremental"], "prompt 1"),
+        (vec![a, "--batch-ids", "1,2;3"], "--incremental"),
+        (
+            vec![a, "--batch-ids", "1;99999", "--incremental"],
+            "outside the vocabulary",
+        ),
+        (
+            vec![a, "--batch-ids", "1;2", "--ids", "3", "--incremental"],
+            "--ids",
+        ),
+    ] {
+        expect_fail(&k3(&args), 2, &[needle]);
+    }
+}

@@ -909,29 +909,52 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     let (settings, notes) = memory_settings(a)?;
     let spec = run_spec(a, model_dir)?;
     let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
-    let threads = run_threads(a)?;
     let positions = a.max_context.unwrap_or(8192);
-    let plan = Plan::new(&spec, positions);
-    for n in &notes {
+    let (mut session, mut exec) = load_model(a, &spec, &ckpt, &settings, &notes, positions, 1)?;
+    crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
+}
+
+/// The providers and the executor for `--chat`, `--serve` and `--batch-ids`, with the
+/// start-up report on stderr: the plan for `positions` positions, the memory plan, and the
+/// decode state of `sequences` sequences checked against the memory limit.
+fn load_model<'c>(
+    a: &RunArgs,
+    spec: &'c ModelSpec,
+    ckpt: &'c Checkpoint,
+    settings: &crate::session::MemorySettings,
+    notes: &[String],
+    positions: usize,
+    sequences: usize,
+) -> Result<(crate::session::Session<'c>, Executor<'c>), Failure> {
+    let threads = run_threads(a)?;
+    let plan = Plan::new(spec, positions);
+    for n in notes {
         eprintln!("{n}");
     }
+    // measured before the session allocates: afterwards its own pages count as used
     let mem_limit = crate::stream::plan::memory_limit();
-    let mut session =
-        crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
-            .map_err(stream_failure)?;
+    let session = crate::session::build_with(spec, ckpt, &plan, settings, resident_mode(&a.mem)?)
+        .map_err(stream_failure)?;
+    eprintln!("memory plan:");
     for l in &session.startup {
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
-    let state_line =
-        crate::session::check_state(&plan, positions, session.planned_bytes, mem_limit.bytes())
-            .map_err(stream_failure)?;
+    // every sequence holds its own decode state
+    let state_line = crate::session::check_states(
+        &plan,
+        positions,
+        sequences,
+        session.planned_bytes,
+        mem_limit.bytes(),
+    )
+    .map_err(stream_failure)?;
     eprintln!("  {state_line}");
-    let mut exec = Executor::new(&spec, plan, threads);
+    let exec = Executor::new(spec, plan, threads);
     if let Some(l) = session.configure_pool(exec.pool()) {
         eprintln!("  {l}");
     }
-    crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
+    Ok((session, exec))
 }
 
 /// `--batch-ids "A;B;..."`: parse one id list per sequence.
@@ -997,39 +1020,15 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
         }
     }
     let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
-    let threads = run_threads(a)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let positions = a
         .max_context
         .unwrap_or(longest + a.n_gen)
         .max(longest + a.n_gen);
-    let plan = Plan::new(&spec, positions);
-    for n in &notes {
-        eprintln!("{n}");
-    }
-    let mem_limit = crate::stream::plan::memory_limit();
-    let mut session =
-        crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
-            .map_err(stream_failure)?;
-    eprintln!("memory plan:");
-    for l in &session.startup {
-        eprintln!("  {l}");
-    }
-    // every sequence holds its own decode state
-    let state_line = crate::session::check_state(
-        &plan,
-        positions * prompts.len(),
-        session.planned_bytes,
-        mem_limit.bytes(),
-    )
-    .map_err(stream_failure)?;
-    eprintln!("  {state_line} (x {} sequences)", prompts.len());
+    let (mut session, mut exec) =
+        load_model(a, &spec, &ckpt, &settings, &notes, positions, prompts.len())?;
     let interrupted = Arc::new(AtomicBool::new(false));
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
-    let mut exec = Executor::new(&spec, plan, threads);
-    if let Some(l) = session.configure_pool(exec.pool()) {
-        eprintln!("  {l}");
-    }
     let providers = &mut session.providers;
     let trunk_before = providers.trunk.stats().bytes_read;
     let mut on_step = |i: usize, chosen: &[(usize, u32)]| {

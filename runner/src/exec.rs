@@ -564,25 +564,7 @@ impl<'s> Executor<'s> {
             return Ok(());
         };
         w.experts.begin_token();
-        // h = E[token]  (the residual stream starts as the partial sum P); one carry per token
-        // beyond the first (the first lives in the scratch itself)
-        let mut carries: Vec<Carry> = Vec::with_capacity(last);
-        for (t, &token) in tokens.iter().enumerate() {
-            let (partial, blocks) = if t == 0 {
-                (&mut self.s.partial, &mut self.s.blocks)
-            } else {
-                carries.push(Carry {
-                    partial: vec![0.0; spec.d_model],
-                    has_partial: true,
-                    blocks: Vec::new(),
-                });
-                let c = carries.last_mut().expect("just pushed");
-                (&mut c.partial, &mut c.blocks)
-            };
-            w.global.embed_row(token, partial)?;
-            blocks.clear();
-        }
-        self.s.has_partial = true;
+        let mut carries = self.embed_carries(tokens, w)?;
         // Look-ahead expert guesses (decode only: in a prompt chunk the next layer's input is
         // known only after every token of the chunk went through this one).
         let look_ahead = tokens.len() == 1 && w.experts.prefetch_margin().is_some();
@@ -663,23 +645,7 @@ impl<'s> Executor<'s> {
         }
         w.experts.begin_token();
         // Sequence 0's residual carry lives in the scratch, the others' in `carries`.
-        let mut carries: Vec<Carry> = Vec::with_capacity(tokens.len() - 1);
-        for (b, &token) in tokens.iter().enumerate() {
-            let (partial, blocks) = if b == 0 {
-                (&mut self.s.partial, &mut self.s.blocks)
-            } else {
-                carries.push(Carry {
-                    partial: vec![0.0; spec.d_model],
-                    has_partial: true,
-                    blocks: Vec::new(),
-                });
-                let c = carries.last_mut().expect("just pushed");
-                (&mut c.partial, &mut c.blocks)
-            };
-            w.global.embed_row(token, partial)?;
-            blocks.clear();
-        }
-        self.s.has_partial = true;
+        let mut carries = self.embed_carries(tokens, w)?;
         if let Some(g) = self.guess.as_mut() {
             g.ahead_for.clear();
         }
@@ -715,6 +681,33 @@ impl<'s> Executor<'s> {
             st.n_pos += 1;
         }
         Ok(())
+    }
+
+    /// h = E[token] for each token (the residual stream starts as the partial sum P): the
+    /// first token's carry in the scratch itself, one [`Carry`] per further token.
+    fn embed_carries(
+        &mut self,
+        tokens: &[u32],
+        w: &mut Providers<'_>,
+    ) -> Result<Vec<Carry>, ExecError> {
+        let mut carries: Vec<Carry> = Vec::with_capacity(tokens.len().saturating_sub(1));
+        for (t, &token) in tokens.iter().enumerate() {
+            let (partial, blocks) = if t == 0 {
+                (&mut self.s.partial, &mut self.s.blocks)
+            } else {
+                carries.push(Carry {
+                    partial: vec![0.0; self.spec.d_model],
+                    has_partial: true,
+                    blocks: Vec::new(),
+                });
+                let c = carries.last_mut().expect("just pushed");
+                (&mut c.partial, &mut c.blocks)
+            };
+            w.global.embed_row(token, partial)?;
+            blocks.clear();
+        }
+        self.s.has_partial = true;
+        Ok(carries)
     }
 
     /// The output head for the residual carry in the scratch: the final AttnRes mix (or the

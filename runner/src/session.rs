@@ -312,13 +312,31 @@ pub fn check_state(
     planned_bytes: u64,
     limit: Option<u64>,
 ) -> Result<String, StreamError> {
+    check_states(plan, positions, 1, planned_bytes, limit)
+}
+
+/// [`check_state`] for `sequences` sequences decoded together (`--batch-ids`): each holds its
+/// own fixed KDA state and its own KV cache of up to `positions` positions.
+pub fn check_states(
+    plan: &Plan,
+    positions: usize,
+    sequences: usize,
+    planned_bytes: u64,
+    limit: Option<u64>,
+) -> Result<String, StreamError> {
+    let n = sequences.max(1) as u64;
     let state = StateMemory {
-        bytes_per_position: plan.kv_bytes_per_position(),
-        fixed_bytes: plan.state_bytes(),
+        bytes_per_position: plan.kv_bytes_per_position() * n,
+        fixed_bytes: plan.state_bytes() * n,
         positions,
     };
+    let per = if n > 1 {
+        format!(" for {n} sequences")
+    } else {
+        String::new()
+    };
     let line = format!(
-        "decode state: {} fixed (KDA) + {} per position (MLA KV) x {} positions = {}",
+        "decode state{per}: {} fixed (KDA) + {} per position (MLA KV) x {} positions = {}",
         fmt_bytes(state.fixed_bytes),
         fmt_bytes(state.bytes_per_position),
         positions,

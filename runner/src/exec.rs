@@ -620,65 +620,101 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [Vec<f32>],
     ) -> Result<(), ExecError> {
+        let parts: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.prefill_batch(&parts, states, w, logits)
+    }
+
+    /// [`Self::prefill`] for SEVERAL sequences at once: `parts[b]` (at least one token) fed to
+    /// `states[b]` from its position on, layer-major over all of them (each layer fetched once
+    /// for the whole call), tokens of one sequence in order, the sequences in turn; the logits
+    /// after each sequence's last token into `logits[b]`. Every token goes through exactly the
+    /// operations of [`Self::step`] on its own sequence's state, so each sequence's bits equal
+    /// feeding it alone. Holds one residual carry per token: callers bound the total (the
+    /// batch driver keeps it near [`PREFILL_CHUNK`]).
+    pub fn prefill_batch(
+        &mut self,
+        parts: &[&[u32]],
+        states: &mut [SeqState],
+        w: &mut Providers<'_>,
+        logits: &mut [Vec<f32>],
+    ) -> Result<(), ExecError> {
         let spec = self.spec;
         assert!(
-            tokens.len() == states.len() && tokens.len() == logits.len(),
-            "step_batch: one token, state and logits buffer per sequence"
+            parts.len() == states.len() && parts.len() == logits.len(),
+            "prefill_batch: one token list, state and logits buffer per sequence"
         );
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
+        assert!(
+            parts.iter().all(|p| !p.is_empty()),
+            "prefill_batch: every sequence gets at least one token"
+        );
+        if let Some(&token) = parts
+            .iter()
+            .flat_map(|p| p.iter())
+            .find(|&&t| t as usize >= spec.vocab_size)
+        {
             return Err(ExecError::BadToken {
                 token,
                 vocab: spec.vocab_size,
             });
         }
-        if let Some(st) = states
+        if let Some((st, p)) = states
             .iter()
-            .find(|s| s.n_pos + 1 > self.plan.max_positions)
+            .zip(parts)
+            .find(|(s, p)| s.n_pos + p.len() > self.plan.max_positions)
         {
             return Err(ExecError::ContextFull {
-                pos: st.n_pos,
+                pos: (st.n_pos + p.len()).max(self.plan.max_positions),
                 max: self.plan.max_positions,
             });
         }
-        if tokens.is_empty() {
+        if parts.is_empty() {
             return Ok(());
         }
         w.experts.begin_token();
-        // Sequence 0's residual carry lives in the scratch, the others' in `carries`.
-        let mut carries = self.embed_carries(tokens, w)?;
+        // Every token of every sequence in order; token 0's residual carry lives in the
+        // scratch, token k's in `carries[k - 1]`.
+        let all: Vec<u32> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+        let mut carries = self.embed_carries(&all, w)?;
         if let Some(g) = self.guess.as_mut() {
             g.ahead_for.clear();
         }
         for l in 0..spec.n_layers {
             let lw = w.trunk.layer(l)?;
-            for (b, st) in states.iter_mut().enumerate() {
-                if b > 0 {
-                    carries[b - 1].swap_with(&mut self.s);
+            let mut k = 0;
+            for (st, p) in states.iter_mut().zip(parts) {
+                for t in 0..p.len() {
+                    if k > 0 {
+                        carries[k - 1].swap_with(&mut self.s);
+                    }
+                    let r = self.layer(
+                        l,
+                        &lw,
+                        None,
+                        &mut st.layers[l],
+                        st.n_pos + t,
+                        w.experts.as_mut(),
+                    );
+                    if k > 0 {
+                        carries[k - 1].swap_with(&mut self.s);
+                    }
+                    r?;
+                    k += 1;
                 }
-                let r = self.layer(
-                    l,
-                    &lw,
-                    None,
-                    &mut st.layers[l],
-                    st.n_pos,
-                    w.experts.as_mut(),
-                );
-                if b > 0 {
-                    carries[b - 1].swap_with(&mut self.s);
-                }
-                r?;
             }
         }
-        for (b, (st, lg)) in states.iter_mut().zip(logits.iter_mut()).enumerate() {
-            if b > 0 {
-                carries[b - 1].swap_with(&mut self.s);
+        let mut k = 0;
+        for ((st, lg), p) in states.iter_mut().zip(logits.iter_mut()).zip(parts) {
+            k += p.len();
+            let last = k - 1;
+            if last > 0 {
+                carries[last - 1].swap_with(&mut self.s);
             }
             let r = self.output(w, lg);
-            if b > 0 {
-                carries[b - 1].swap_with(&mut self.s);
+            if last > 0 {
+                carries[last - 1].swap_with(&mut self.s);
             }
             r?;
-            st.n_pos += 1;
+            st.n_pos += p.len();
         }
         Ok(())
     }

@@ -177,10 +177,40 @@ pub fn generate_batch(
     let mut states: Vec<SeqState> = (0..n).map(|_| SeqState::new(spec)).collect();
     let mut logits = vec![vec![0.0f32; spec.vocab_size]; n];
     let mut res = BatchResult::default();
-    for (b, p) in prompts.iter().enumerate() {
-        for chunk in p.chunks(PREFILL_CHUNK) {
-            exec.prefill(chunk, &mut states[b], w, &mut logits[b])?;
+    // The prompts together, layer-major, in rounds of about PREFILL_CHUNK tokens in all: a
+    // streamed trunk is read once per round for every prompt.
+    let mut fed = vec![0usize; n];
+    loop {
+        let open: Vec<usize> = (0..n).filter(|&b| fed[b] < prompts[b].len()).collect();
+        if open.is_empty() {
+            break;
         }
+        let per = (PREFILL_CHUNK / open.len()).max(1);
+        let parts: Vec<&[u32]> = open
+            .iter()
+            .map(|&b| &prompts[b][fed[b]..(fed[b] + per).min(prompts[b].len())])
+            .collect();
+        let empty = || SeqState {
+            layers: Vec::new(),
+            n_pos: 0,
+        };
+        let mut st: Vec<SeqState> = open
+            .iter()
+            .map(|&b| std::mem::replace(&mut states[b], empty()))
+            .collect();
+        let mut lg: Vec<Vec<f32>> = open
+            .iter()
+            .map(|&b| std::mem::take(&mut logits[b]))
+            .collect();
+        let r = exec.prefill_batch(&parts, &mut st, w, &mut lg);
+        for (((&b, s), l), p) in open.iter().zip(st).zip(lg).zip(&parts) {
+            states[b] = s;
+            logits[b] = l;
+            fed[b] += p.len();
+        }
+        r?;
+    }
+    for (b, p) in prompts.iter().enumerate() {
         res.sequences.push(GenResult {
             prompt_ids: p.clone(),
             first_logits_hash: logits_hash(&logits[b]),

@@ -1,7 +1,8 @@
-//! Batched decode (`Executor::step_batch`, SYSTEM.md §10): several sequences share each
-//! layer's weights in one step. Every sequence's logits are bit-identical to stepping it
-//! alone, at every step, resident and with a streamed trunk; and the streamed trunk is read
-//! once per batch step instead of once per sequence.
+//! Batched prefill and decode (`Executor::prefill_batch`, `step_batch`, SYSTEM.md §10):
+//! several sequences share each layer's weights in one call. Every sequence's logits are
+//! bit-identical to feeding it alone, after its prompt (prefilled together in two rounds of
+//! uneven lengths) and at every step, resident and with a streamed trunk; and the streamed
+//! trunk is read once per batch step instead of once per sequence.
 
 use std::path::PathBuf;
 
@@ -44,9 +45,23 @@ fn decode(
     let mut states: Vec<SeqState> = PROMPTS.iter().map(|_| SeqState::new(&spec)).collect();
     let mut logits: Vec<Vec<f32>> = PROMPTS.iter().map(|_| vec![0.0; v]).collect();
     let mut out: Vec<Vec<Vec<u32>>> = vec![Vec::new(); PROMPTS.len()];
-    for (b, p) in PROMPTS.iter().enumerate() {
-        exec.prefill(p, &mut states[b], w, &mut logits[b])
-            .expect("prefill");
+    if batched {
+        // Two rounds of prefill_batch: the first 2 tokens of every prompt, then the rest of
+        // the two longer ones (prompt 2 has only 2), so positions continue across calls.
+        let first: Vec<&[u32]> = PROMPTS.iter().map(|p| &p[..2]).collect();
+        exec.prefill_batch(&first, &mut states, w, &mut logits)
+            .expect("prefill_batch 1");
+        assert_eq!(PROMPTS[2].len(), 2);
+        let rest: Vec<&[u32]> = PROMPTS[..2].iter().map(|p| &p[2..]).collect();
+        exec.prefill_batch(&rest, &mut states[..2], w, &mut logits[..2])
+            .expect("prefill_batch 2");
+    } else {
+        for (b, p) in PROMPTS.iter().enumerate() {
+            exec.prefill(p, &mut states[b], w, &mut logits[b])
+                .expect("prefill");
+        }
+    }
+    for b in 0..PROMPTS.len() {
         out[b].push(bits(&logits[b]));
     }
     let before = w.trunk.stats().bytes_read;

@@ -158,6 +158,34 @@ pub struct BatchResult {
     pub total_seconds: f64,
 }
 
+/// Run `f` on the states and logits of the sequences `idx` only (moved out into contiguous
+/// slices and back, whatever `f` returns).
+fn on_subset<T>(
+    states: &mut [SeqState],
+    logits: &mut [Vec<f32>],
+    idx: &[usize],
+    f: impl FnOnce(&mut [SeqState], &mut [Vec<f32>]) -> T,
+) -> T {
+    let empty = || SeqState {
+        layers: Vec::new(),
+        n_pos: 0,
+    };
+    let mut st: Vec<SeqState> = idx
+        .iter()
+        .map(|&b| std::mem::replace(&mut states[b], empty()))
+        .collect();
+    let mut lg: Vec<Vec<f32>> = idx
+        .iter()
+        .map(|&b| std::mem::take(&mut logits[b]))
+        .collect();
+    let r = f(&mut st, &mut lg);
+    for ((&b, s), l) in idx.iter().zip(st).zip(lg) {
+        states[b] = s;
+        logits[b] = l;
+    }
+    r
+}
+
 /// Greedy generation of several prompts decoded TOGETHER ([`Executor::step_batch`]): each
 /// prompt is prefilled on its own, then every step feeds each active sequence its next id, so
 /// a streamed trunk is read once per step for all of them. A sequence leaves the batch at a
@@ -190,25 +218,12 @@ pub fn generate_batch(
             .iter()
             .map(|&b| &prompts[b][fed[b]..(fed[b] + per).min(prompts[b].len())])
             .collect();
-        let empty = || SeqState {
-            layers: Vec::new(),
-            n_pos: 0,
-        };
-        let mut st: Vec<SeqState> = open
-            .iter()
-            .map(|&b| std::mem::replace(&mut states[b], empty()))
-            .collect();
-        let mut lg: Vec<Vec<f32>> = open
-            .iter()
-            .map(|&b| std::mem::take(&mut logits[b]))
-            .collect();
-        let r = exec.prefill_batch(&parts, &mut st, w, &mut lg);
-        for (((&b, s), l), p) in open.iter().zip(st).zip(lg).zip(&parts) {
-            states[b] = s;
-            logits[b] = l;
+        on_subset(&mut states, &mut logits, &open, |st, lg| {
+            exec.prefill_batch(&parts, st, w, lg)
+        })?;
+        for (&b, p) in open.iter().zip(&parts) {
             fed[b] += p.len();
         }
-        r?;
     }
     for (b, p) in prompts.iter().enumerate() {
         res.sequences.push(GenResult {
@@ -248,24 +263,9 @@ pub fn generate_batch(
             .iter()
             .map(|&b| *res.sequences[b].generated_ids.last().expect("just pushed"))
             .collect();
-        let empty = || SeqState {
-            layers: Vec::new(),
-            n_pos: 0,
-        };
-        let mut st: Vec<SeqState> = active
-            .iter()
-            .map(|&b| std::mem::replace(&mut states[b], empty()))
-            .collect();
-        let mut lg: Vec<Vec<f32>> = active
-            .iter()
-            .map(|&b| std::mem::take(&mut logits[b]))
-            .collect();
-        let r = exec.step_batch(&tokens, &mut st, w, &mut lg);
-        for ((&b, s), l) in active.iter().zip(st).zip(lg) {
-            states[b] = s;
-            logits[b] = l;
-        }
-        r?;
+        on_subset(&mut states, &mut logits, &active, |st, lg| {
+            exec.step_batch(&tokens, st, w, lg)
+        })?;
         decode_seconds += ts.elapsed().as_secs_f64();
         res.steps += 1;
     }

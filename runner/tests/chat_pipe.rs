@@ -4,25 +4,15 @@
 
 mod chat_support;
 
-use std::ffi::OsStr;
 use std::path::Path;
 use std::process::ExitStatus;
 
-use chat_support::{number_after, render_ids, run_piped, synth_model};
+use chat_support::{chat_piped, number_after, render_ids, synth_model};
 use k3_text::chat::{Message, Role};
 use k3_text::history;
 
 fn chat(model: &Path, hist: &Path, extra: &[&str], stdin: &str) -> (ExitStatus, String, String) {
-    let mut args: Vec<&OsStr> = vec![
-        model.as_os_str(),
-        OsStr::new("--chat"),
-        OsStr::new("--threads"),
-        OsStr::new("1"),
-        OsStr::new("--history"),
-        hist.as_os_str(),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    run_piped(&args, stdin)
+    chat_piped(model, hist, extra, stdin)
 }
 
 #[test]

@@ -6,13 +6,12 @@
 
 mod chat_support;
 
-use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use chat_support::{bin, run_piped, synth_model};
+use chat_support::{bin, chat_piped, synth_model};
 use k3_text::history;
 use serde_json::{Value, json};
 
@@ -123,16 +122,7 @@ fn requests_reproduce_chat_turns_and_stream() {
 
     // The reference: two --chat turns with the same sampling, through a pipe.
     let hist = dir.path().join("h.jsonl");
-    let mut args: Vec<&OsStr> = vec![
-        model.as_os_str(),
-        OsStr::new("--chat"),
-        OsStr::new("--threads"),
-        OsStr::new("1"),
-        OsStr::new("--history"),
-        hist.as_os_str(),
-    ];
-    args.extend(sampling.iter().map(OsStr::new));
-    let (st, out, err) = run_piped(&args, "one\ntwo\n");
+    let (st, out, err) = chat_piped(&model, &hist, &sampling, "one\ntwo\n");
     assert!(st.success(), "{out}\n{err}");
     let h = history::load_jsonl(&hist).expect("history");
     assert_eq!(h.len(), 4);

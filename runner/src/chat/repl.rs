@@ -90,6 +90,16 @@ pub fn gen_limit(run: &RunArgs, given: bool) -> Result<usize, Failure> {
     Ok(n)
 }
 
+/// Stops besides `<|end_of_msg|>` for `--chat` and `--serve`: the config's eos ids, the
+/// tokenizer-level `[EOS]` (real K3 emits 163585 as well as 163586, SYSTEM.md §6) and
+/// `--stop-id`.
+pub(crate) fn stop_ids(spec: &ModelSpec, tok: &Tokenizer, run: &RunArgs) -> Vec<u32> {
+    let mut ids = spec.eos_token_ids.clone();
+    ids.extend(tok.id_of("[EOS]"));
+    ids.extend(&run.stop_ids);
+    ids
+}
+
 /// A seed for sampling without `--seed` (printed, so the session can be replayed).
 pub(crate) fn fresh_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
@@ -356,11 +366,7 @@ pub fn main(
         sampling,
         n_gen,
     } = prepare(run)?;
-    // Stops besides <|end_of_msg|>: the config's eos ids, the tokenizer-level [EOS] (real K3
-    // emits 163585 as well as 163586, SYSTEM.md §6) and --stop-id.
-    let mut extra_stop_ids = spec.eos_token_ids.clone();
-    extra_stop_ids.extend(tok.id_of("[EOS]"));
-    extra_stop_ids.extend(&run.stop_ids);
+    let extra_stop_ids = stop_ids(spec, &tok, run);
 
     let (hist, messages) = match &c.history {
         Some(p) => {

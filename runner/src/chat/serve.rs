@@ -30,7 +30,7 @@ use k3_text::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::repl::{fresh_seed, gen_given_on_command_line, gen_limit, tokenizer_dir};
+use super::repl::{fresh_seed, gen_given_on_command_line, gen_limit, stop_ids, tokenizer_dir};
 use super::sample::Sampling;
 use super::session::{Event, Session, SessionConfig, SessionError, Stop};
 use crate::cli::{Failure, RunArgs, exit};
@@ -224,9 +224,7 @@ pub fn main(
         n_gen,
     } = prepare(run)?;
     let addr = run.chat.serve.as_deref().unwrap_or("127.0.0.1:8080");
-    let mut extra_stop_ids = spec.eos_token_ids.clone();
-    extra_stop_ids.extend(tok.id_of("[EOS]"));
-    extra_stop_ids.extend(&run.stop_ids);
+    let extra_stop_ids = stop_ids(spec, &tok, run);
     let cfg = SessionConfig {
         thinking,
         n_gen,

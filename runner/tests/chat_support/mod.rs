@@ -72,6 +72,25 @@ pub fn render_ids(history: &Path, tok: &Path, extra: &[&str]) -> Vec<u32> {
 }
 
 /// Run the chat REPL with `stdin` piped; returns (exit status, stdout, stderr).
+/// `k3-run MODEL --chat --threads 1 --history HIST EXTRA...` with `stdin` piped in.
+pub fn chat_piped(
+    model: &Path,
+    hist: &Path,
+    extra: &[&str],
+    stdin: &str,
+) -> (ExitStatus, String, String) {
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        model.as_os_str(),
+        std::ffi::OsStr::new("--chat"),
+        std::ffi::OsStr::new("--threads"),
+        std::ffi::OsStr::new("1"),
+        std::ffi::OsStr::new("--history"),
+        hist.as_os_str(),
+    ];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    run_piped(&args, stdin)
+}
+
 pub fn run_piped(args: &[&std::ffi::OsStr], stdin: &str) -> (ExitStatus, String, String) {
     use std::io::Write;
     let mut child = Command::new(bin())

@@ -789,11 +789,19 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         res.total_seconds
     );
     println!(
-        "trunk: pinned {}/{} layers, ring {} x {}, {:.3} GB read in {:.3} s ({:.0} MB/s){}",
+        "trunk: pinned {}/{} layers, ring {} x {}{}, {:.3} GB read in {:.3} s ({:.0} MB/s){}",
         trunk.pinned_layers,
         trunk.n_layers,
         trunk.ring_slots,
         crate::stream::fmt_bytes(trunk.ring_slot_bytes),
+        if trunk.shared_ring_bytes > 0 {
+            format!(
+                " (shared ring {})",
+                crate::stream::fmt_bytes(trunk.shared_ring_bytes)
+            )
+        } else {
+            String::new()
+        },
         trunk.bytes_read as f64 / 1e9,
         trunk.read_seconds,
         if trunk.read_seconds > 0.0 {

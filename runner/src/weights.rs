@@ -72,6 +72,8 @@ pub struct TrunkStats {
     pub pinned_bytes: u64,
     pub ring_slots: usize,
     pub ring_slot_bytes: u64,
+    /// The shared ring that replaced a single slot (0: none; see `TrunkPlan`).
+    pub shared_ring_bytes: u64,
     pub bytes_read: u64,
     pub read_seconds: f64,
     /// Seconds the executor waited for trunk bytes (the part of read time not overlapped).

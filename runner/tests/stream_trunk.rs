@@ -148,6 +148,99 @@ fn two_slots_prefetch_with_one_reader_thread_at_several_budgets() {
     }
 }
 
+/// The smallest sum of two cyclic neighbours' sizes: the budget of a shared ring that reads
+/// at least one layer ahead.
+fn smallest_neighbour_pair(sizes: &[u64]) -> u64 {
+    (0..sizes.len())
+        .map(|i| sizes[(i + sizes.len() - 1) % sizes.len()] + sizes[i])
+        .min()
+        .expect("layers")
+}
+
+#[test]
+fn shared_ring_reads_ahead_exactly_where_two_layers_fit() {
+    let f = fixture("trunk_shared_ring");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let largest = *f.sizes.iter().max().expect("layers");
+    // Budgets between one slot and two: the smallest neighbour pair, and the largest layer
+    // plus the smallest one (more pairs fit).
+    let smallest = *f.sizes.iter().min().expect("layers");
+    let budgets = [smallest_neighbour_pair(&f.sizes), largest + smallest];
+    let mut ahead_counts = Vec::new();
+    for budget in budgets {
+        assert!(budget >= largest && budget < 2 * largest, "{:?}", f.sizes);
+        let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(budget, 2)).expect("open");
+        let p = t.plan().clone();
+        assert_eq!((p.pinned_layers, p.ring_slots), (0, 1), "budget {budget}");
+        assert_eq!(p.shared_ring_bytes, budget);
+        assert!(p.planned_bytes() <= budget);
+        // The plan's count, by its rule: a layer fits beside the layer before it.
+        let n = f.sizes.len();
+        let want = (0..n)
+            .filter(|&i| f.sizes[(i + n - 1) % n] + f.sizes[i] <= budget)
+            .count();
+        assert_eq!(p.read_ahead_layers, want);
+        assert!(want >= 1 && want < n);
+        check_passes(&mut t, &f.spec, &ck, 1);
+        let after_one = t.reads_issued_ahead();
+        check_passes(&mut t, &f.spec, &ck, 3);
+        assert_eq!(
+            t.reads_issued_ahead() - after_one,
+            3 * want as u64,
+            "budget {budget}: reads ahead per pass"
+        );
+        assert_eq!(t.reader_threads_spawned(), 1);
+        let s = t.stats();
+        assert!(s.reader_thread);
+        assert_eq!(s.shared_ring_bytes, budget);
+        // Four passes, each layer once (the spans are rounded to the device's block size, and
+        // the next pass's first read may still be in flight).
+        let pass: u64 = f.sizes.iter().sum();
+        assert!(
+            s.bytes_read > 3 * pass && s.bytes_read <= 4 * pass,
+            "{} bytes read in 4 passes of {pass}",
+            s.bytes_read
+        );
+        let lines = t.startup_lines().join("\n");
+        assert!(lines.contains("ONE SHARED ring"), "{lines}");
+        assert!(lines.contains("shared ring's free end"), "{lines}");
+        // Out of the cyclic order: drained and restarted, still the right bytes.
+        for &l in &[5usize, 2, 9, 9, 12, 0, 7, 8] {
+            let lw = t.layer(l).expect("layer");
+            for tb in &lw.tensors {
+                assert!(
+                    tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"),
+                    "layer {l}"
+                );
+            }
+        }
+        assert!(t.out_of_order_requests() > 0);
+        check_passes(&mut t, &f.spec, &ck, 1);
+        ahead_counts.push(want);
+    }
+    assert!(ahead_counts[1] > ahead_counts[0], "{ahead_counts:?}");
+}
+
+#[test]
+fn two_slots_read_every_streamed_layer_ahead() {
+    let f = fixture("trunk_two_slots_ahead");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let largest = *f.sizes.iter().max().expect("layers");
+    let budget = f.sizes[0] + f.sizes[1] + 2 * largest;
+    let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(budget, 2)).expect("open");
+    let p = t.plan().clone();
+    assert_eq!(p.ring_slots, 2);
+    assert_eq!(p.shared_ring_bytes, 0);
+    assert_eq!(p.read_ahead_layers, f.sizes.len() - p.pinned_layers);
+    check_passes(&mut t, &f.spec, &ck, 1);
+    let after_one = t.reads_issued_ahead();
+    check_passes(&mut t, &f.spec, &ck, 2);
+    assert_eq!(
+        t.reads_issued_ahead() - after_one,
+        2 * p.read_ahead_layers as u64
+    );
+}
+
 #[test]
 fn three_slots_and_out_of_order_requests_still_serve_the_right_bytes() {
     let f = fixture("trunk_out_of_order");

@@ -59,6 +59,22 @@ fn check(name: &str, spec: &str, seed: u64) {
         "all pinned, cache everything".into(),
         streamed(total + largest, 2, Some(expert_cache_all)),
     ));
+    // Two slots do not fit, but some layer fits beside the one before it: the one slot is
+    // widened to a shared ring and the reader reads those layers ahead.
+    let al: Vec<u64> = sizes.iter().map(|s| s.next_multiple_of(4096)).collect();
+    let pair_min = (0..al.len())
+        .map(|i| al[(i + al.len() - 1) % al.len()] + al[i])
+        .min()
+        .expect("layers");
+    let shared_budget = pair_min.max(largest);
+    assert!(
+        shared_budget < 2 * largest,
+        "{name}: layer sizes {al:?} leave no budget between one slot and two"
+    );
+    cases.push((
+        "shared ring (one slot widened), cache 0".into(),
+        streamed(shared_budget, 2, Some(0)),
+    ));
     let mut ulm = streamed(2 * largest, 2, Some(50_000));
     ulm.ultra_low_memory = true;
     cases.push(("ultra-low-memory".into(), ulm));
@@ -85,6 +101,12 @@ fn check(name: &str, spec: &str, seed: u64) {
                 "{name}: {label}: >= 2 ring slots should prefetch with the reader thread"
             );
         }
+        if label.starts_with("shared ring") {
+            assert!(
+                tstats.shared_ring_bytes > 0 && tstats.ring_slots == 1 && tstats.reader_thread,
+                "{name}: {label}: expected a shared ring read ahead by the reader thread: {tstats:?}"
+            );
+        }
         if s.cache_budget_bytes == Some(0) {
             assert_eq!(
                 estats.resident_hits, 0,
@@ -94,10 +116,11 @@ fn check(name: &str, spec: &str, seed: u64) {
         }
         seen_pins.push(tstats.pinned_layers);
         println!(
-            "{name}: {label}: pinned {}/{} ring {} reader {} | experts req {} hits {} resident {} misses {} evictions {} -> identical",
+            "{name}: {label}: pinned {}/{} ring {} shared {} reader {} | experts req {} hits {} resident {} misses {} evictions {} -> identical",
             tstats.pinned_layers,
             tstats.n_layers,
             tstats.ring_slots,
+            tstats.shared_ring_bytes,
             tstats.reader_thread,
             estats.requests,
             estats.hits,

@@ -11,7 +11,7 @@
 
 use std::io;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// The alignment every buffer (address and capacity) satisfies: the common O_DIRECT limit.
 pub const IO_ALIGN: usize = 4096;
@@ -132,6 +132,8 @@ pub struct AlignedBuf {
     huge_pages: bool,
     /// Keeps the mapping alive; shared by every buffer carved from it.
     _region: Arc<Region>,
+    /// For a buffer lent by an [`EndsRing`]: the ring sees the range as taken while this lives.
+    _lease: Option<Arc<()>>,
 }
 
 // SAFETY: the buffer exclusively owns its byte range (buffers carved from one region are
@@ -172,6 +174,7 @@ impl AlignedBuf {
             align,
             huge_pages,
             _region: Arc::new(region),
+            _lease: None,
         })
     }
 
@@ -203,6 +206,7 @@ impl AlignedBuf {
                 align: IO_ALIGN,
                 huge_pages,
                 _region: Arc::clone(&region),
+                _lease: None,
             })
             .collect())
     }
@@ -253,6 +257,88 @@ impl AlignedBuf {
     pub fn full_mut(&mut self) -> &mut [u8] {
         // SAFETY: the mapping holds `capacity` bytes; `&mut self` guarantees exclusivity.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.capacity) }
+    }
+}
+
+/// One buffer whose two ends are lent out as [`AlignedBuf`]s: a buffer flush with the start
+/// or flush with the end, never overlapping a lent buffer that is still alive (dropping a lent
+/// buffer returns its range). The trunk's shared ring: a layer is read into one end while the
+/// layer before it computes at the other, whenever the two fit side by side.
+#[derive(Debug)]
+pub struct EndsRing {
+    region: Arc<Region>,
+    capacity: usize,
+    huge_pages: bool,
+    /// (start, capacity, lease) of every buffer lent; dead leases are pruned on the next lend.
+    lent: Vec<(usize, usize, Weak<()>)>,
+}
+
+impl EndsRing {
+    /// A ring of `len` bytes rounded up to 4096, 2 MiB-aligned and huge-page advised.
+    pub fn new(len: usize) -> io::Result<Self> {
+        let capacity = usize::try_from(align_up(len.max(1) as u64, IO_ALIGN as u64))
+            .map_err(|_| too_big(len))?;
+        let map_len = usize::try_from(align_up(capacity as u64, HUGE_PAGE as u64))
+            .map_err(|_| too_big(len))?;
+        let (region, huge_pages) = Region::map(map_len, HUGE_PAGE, len)?;
+        Ok(Self {
+            region: Arc::new(region),
+            capacity,
+            huge_pages,
+            lent: Vec::new(),
+        })
+    }
+
+    /// Usable bytes (a multiple of 4096).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Whether `madvise(MADV_HUGEPAGE)` was accepted.
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// Bytes currently lent out (buffers still alive).
+    pub fn lent_bytes(&self) -> usize {
+        self.lent
+            .iter()
+            .filter(|(_, _, w)| w.strong_count() > 0)
+            .map(|&(_, c, _)| c)
+            .sum()
+    }
+
+    /// A buffer of `len` bytes (capacity rounded up to 4096) at the start (`at_start`) or
+    /// ending at the ring's end; `None` while that range overlaps a lent buffer still alive,
+    /// or when `len` exceeds the ring.
+    pub fn lend(&mut self, len: usize, at_start: bool) -> Option<AlignedBuf> {
+        let cap = usize::try_from(align_up(len.max(1) as u64, IO_ALIGN as u64)).ok()?;
+        if cap > self.capacity {
+            return None;
+        }
+        let start = if at_start { 0 } else { self.capacity - cap };
+        self.lent.retain(|(_, _, w)| w.strong_count() > 0);
+        if self
+            .lent
+            .iter()
+            .any(|&(s, c, _)| start < s + c && s < start + cap)
+        {
+            return None;
+        }
+        let lease = Arc::new(());
+        self.lent.push((start, cap, Arc::downgrade(&lease)));
+        Some(AlignedBuf {
+            // SAFETY: start + cap <= capacity <= the mapping's length; the range overlaps no
+            // other live buffer lent by this ring (checked above), and the ring lends nothing
+            // else, so the new buffer owns its bytes exclusively while it lives.
+            ptr: unsafe { NonNull::new_unchecked(self.region.start.as_ptr().add(start)) },
+            len,
+            capacity: cap,
+            align: IO_ALIGN,
+            huge_pages: self.huge_pages,
+            _region: Arc::clone(&self.region),
+            _lease: Some(lease),
+        })
     }
 }
 
@@ -333,6 +419,38 @@ mod tests {
         drop(bufs);
         assert!(keep.full().iter().all(|&x| x == 5));
         assert!(AlignedBuf::carve(0, 100).expect("empty").is_empty());
+    }
+
+    #[test]
+    fn ends_ring_lends_disjoint_ends_and_takes_them_back_on_drop() {
+        let mut r = EndsRing::new(10 * IO_ALIGN + 1).expect("ring");
+        assert_eq!(r.capacity(), 11 * IO_ALIGN);
+        let mut a = r.lend(6 * IO_ALIGN, true).expect("start end is free");
+        assert_eq!(a.full().as_ptr() as usize % HUGE_PAGE, 0);
+        // 6 + 6 pages do not fit beside each other in 11; 6 + 5 do, flush with the end.
+        assert!(r.lend(6 * IO_ALIGN, false).is_none());
+        assert!(r.lend(IO_ALIGN, true).is_none(), "the start is lent");
+        let mut b = r.lend(5 * IO_ALIGN - 7, false).expect("fits beside");
+        assert_eq!(b.capacity(), 5 * IO_ALIGN);
+        assert_eq!(
+            b.full().as_ptr() as usize,
+            a.full().as_ptr() as usize + 6 * IO_ALIGN
+        );
+        a.full_mut().fill(1);
+        b.full_mut().fill(2);
+        assert!(a.full().iter().all(|&x| x == 1));
+        assert_eq!(r.lent_bytes(), 11 * IO_ALIGN);
+        assert!(
+            r.lend(12 * IO_ALIGN, true).is_none(),
+            "larger than the ring"
+        );
+        drop(a);
+        assert_eq!(r.lent_bytes(), 5 * IO_ALIGN);
+        let c = r.lend(6 * IO_ALIGN, true).expect("freed by the drop");
+        assert!(r.lend(IO_ALIGN, false).is_none(), "the end is still lent");
+        drop(r); // the mapping outlives the ring while buffers live
+        assert!(b.full().iter().all(|&x| x == 2));
+        assert_eq!(c.capacity(), 6 * IO_ALIGN);
     }
 
     #[test]

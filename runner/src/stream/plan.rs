@@ -26,7 +26,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::aligned::{IO_ALIGN, align_up};
+use super::aligned::{IO_ALIGN, align_down, align_up};
 use super::fmt_bytes;
 
 /// Errors of the planners.
@@ -83,12 +83,22 @@ pub struct TrunkPlan {
     pub ring_slot_bytes: u64,
     /// Ring slots asked for (`--trunk-ring`, default 2).
     pub requested_ring: usize,
+    /// When two slots do not fit but the budget beyond the pinned prefix holds some streamed
+    /// layer beside the one before it: one SHARED ring of this many bytes (a multiple of
+    /// 4096, at least `ring_slot_bytes`) replaces the single slot, and a reader thread reads
+    /// each layer that fits into one end while the previous layer computes at the other.
+    /// 0 otherwise.
+    pub shared_ring_bytes: u64,
+    /// Streamed layers read ahead (while the streamed layer before them computes, or while
+    /// the pinned prefix computes); with uniform slots (>= 2), every streamed layer.
+    pub read_ahead_layers: usize,
 }
 
 impl TrunkPlan {
     /// Bytes the plan allocates.
     pub fn planned_bytes(&self) -> u64 {
-        self.pinned_bytes + self.ring_slots as u64 * self.ring_slot_bytes
+        self.pinned_bytes
+            + (self.ring_slots as u64 * self.ring_slot_bytes).max(self.shared_ring_bytes)
     }
     /// The deterministic trunk hit rate: pinned layers / all layers.
     pub fn hit_rate(&self) -> f64 {
@@ -101,9 +111,10 @@ impl TrunkPlan {
     pub fn is_pinned(&self, layer: usize) -> bool {
         layer < self.pinned_layers
     }
-    /// A reader thread prefetches layer L+1 while L computes only with >= 2 slots.
+    /// A reader thread prefetches layer L+1 while L computes only with >= 2 slots or a
+    /// shared ring (never into the one slot the executor reads).
     pub fn prefetch(&self) -> bool {
-        self.ring_slots >= 2
+        self.ring_slots >= 2 || self.shared_ring_bytes > 0
     }
     /// Fewer slots than requested because the budget could not afford them.
     pub fn ring_reduced(&self) -> bool {
@@ -123,7 +134,21 @@ impl TrunkPlan {
             fmt_bytes(self.ring_slot_bytes),
             fmt_bytes(self.budget_bytes),
         )];
-        if self.ring_slots == 1 {
+        if self.shared_ring_bytes > 0 {
+            let streamed = self.n_layers - self.pinned_layers;
+            v.push(format!(
+                "trunk ring: the budget cannot afford {} slots of {}; ONE SHARED ring of {} \
+                 instead: a layer is read into one end while the layer before it computes at \
+                 the other, when the two fit side by side ({} of {} streamed layers read ahead, \
+                 {} synchronously). Output tokens are identical either way.",
+                self.requested_ring,
+                fmt_bytes(self.ring_slot_bytes),
+                fmt_bytes(self.shared_ring_bytes),
+                self.read_ahead_layers,
+                streamed,
+                streamed - self.read_ahead_layers
+            ));
+        } else if self.ring_slots == 1 {
             v.push(if self.requested_ring >= 2 {
                 format!(
                     "trunk ring: the budget cannot afford {} slots of {}; ONE slot, synchronous \
@@ -155,6 +180,12 @@ impl TrunkPlan {
 /// preferred over more pinned layers (the second slot buys the read/compute overlap); if the
 /// requested count cannot fit, fewer are used, down to one; if not even one slot fits, the
 /// error names the numbers.
+///
+/// One slot with two or more requested: the slot is widened to the whole budget left after
+/// the pinned prefix (a shared ring) when that lets at least one streamed layer be read while
+/// another computes. Real K3 at the laptop budget is the case: layer 0 (2.34 GB, the dense
+/// MLP) is twice any other layer, so two uniform slots need 4.7 GB, but 3.0 GB holds any two
+/// of layers 1..92 side by side.
 pub fn plan_trunk(
     layer_bytes: &[u64],
     budget: u64,
@@ -193,6 +224,12 @@ pub fn plan_trunk(
             } else {
                 (ring, suffix_max[n])
             };
+            let (shared_ring_bytes, read_ahead_layers) = match ring_slots {
+                0 => (0, 0),
+                1 if requested_ring >= 2 => shared_ring(&sizes[n..], n > 0, budget - prefix[n]),
+                1 => (0, 0),
+                _ => (0, n_layers - n),
+            };
             return Ok(TrunkPlan {
                 n_layers,
                 total_bytes,
@@ -202,6 +239,8 @@ pub fn plan_trunk(
                 ring_slots,
                 ring_slot_bytes: slot,
                 requested_ring,
+                shared_ring_bytes,
+                read_ahead_layers,
             });
         }
     }
@@ -218,6 +257,26 @@ pub fn plan_trunk(
         largest_layer,
         total: total_bytes,
     })
+}
+
+/// The shared ring for the streamed layers `streamed` (4096-rounded sizes, in order) in
+/// `room` bytes: `(ring bytes, layers read ahead)`, or `(0, 0)` when no layer could be read
+/// ahead (then the one slot reads synchronously). A streamed layer is read ahead when it fits
+/// beside the streamed layer before it in the cyclic order (the ring's two ends hold at most
+/// those two); the first one also when a pinned prefix computes before it. One streamed layer
+/// is never re-read (the single slot keeps it), so it gets no ring.
+fn shared_ring(streamed: &[u64], after_pinned: bool, room: u64) -> (u64, usize) {
+    let ring = align_down(room, IO_ALIGN as u64);
+    if streamed.len() < 2 {
+        return (0, 0);
+    }
+    let ahead = (0..streamed.len())
+        .filter(|&i| {
+            let prev = streamed[(i + streamed.len() - 1) % streamed.len()];
+            (i == 0 && after_pinned) || prev.saturating_add(streamed[i]) <= ring
+        })
+        .count();
+    if ahead == 0 { (0, 0) } else { (ring, ahead) }
 }
 
 /// Memory for the KV cache (MLA layers) and recurrent state (KDA layers) of one request.
@@ -526,10 +585,52 @@ mod tests {
             (0, 1, 4 * K)
         );
         assert!(p.ring_reduced());
+        // ...widened to a shared ring of the whole 5K: layers 2 and 3 fit beside the layer
+        // before them (2K + 2K), layers 0 and 1 do not (2K + 4K, 4K + 2K).
+        assert_eq!((p.shared_ring_bytes, p.read_ahead_layers), (5 * K, 2));
+        assert!(p.prefetch());
+        assert_eq!(p.planned_bytes(), 5 * K);
+        let lines = p.report_lines().join("\n");
+        assert!(lines.contains("ONE SHARED ring"), "{lines}");
+        assert!(
+            lines.contains("2 of 4 streamed layers read ahead"),
+            "{lines}"
+        );
+        assert!(lines.contains("deterministic hit rate 0.0%"), "{lines}");
+        // No two neighbours fit in 5K (3K + 3K, 4K + 3K): the one slot reads synchronously.
+        let p = plan_trunk(&[4 * K, 3 * K, 3 * K, 3 * K], 5 * K, 2).expect("plan");
+        assert_eq!(
+            (p.pinned_layers, p.ring_slots, p.ring_slot_bytes),
+            (0, 1, 4 * K)
+        );
+        assert_eq!((p.shared_ring_bytes, p.read_ahead_layers), (0, 0));
         assert!(!p.prefetch());
+        assert_eq!(p.planned_bytes(), 4 * K);
         let lines = p.report_lines().join("\n");
         assert!(lines.contains("ONE slot, synchronous"), "{lines}");
-        assert!(lines.contains("deterministic hit rate 0.0%"), "{lines}");
+        // One slot asked for: never widened.
+        let p = plan_trunk(&sizes, 5 * K, 1).expect("plan");
+        assert_eq!((p.ring_slots, p.shared_ring_bytes), (1, 0));
+    }
+
+    #[test]
+    fn real_k3_laptop_budget_gets_a_shared_ring() {
+        // SYSTEM.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
+        // layers ~1.157 GB each. The laptop preset's 3.00 GB cannot pin layer 0 next to a slot
+        // or hold two 2.34 GB slots: one slot of layer 0's size. The shared ring of 3.00 GB
+        // holds any two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0)
+        // are read synchronously.
+        let mut sizes = vec![2_341_000_000u64];
+        sizes.extend(std::iter::repeat_n(1_157_000_000u64, 92));
+        let p = plan_trunk(&sizes, 3_000_000_000, 2).expect("plan");
+        assert_eq!((p.pinned_layers, p.ring_slots), (0, 1));
+        assert_eq!(p.ring_slot_bytes, align_up(2_341_000_000, K));
+        assert_eq!(p.shared_ring_bytes, align_down(3_000_000_000, K));
+        assert_eq!(p.read_ahead_layers, 91);
+        // Desktop (16 GB) keeps two uniform slots and pins a prefix.
+        let p = plan_trunk(&sizes, 16_000_000_000, 2).expect("plan");
+        assert_eq!((p.ring_slots, p.shared_ring_bytes), (2, 0));
+        assert_eq!(p.read_ahead_layers, 93 - p.pinned_layers);
     }
 
     #[test]
@@ -823,6 +924,13 @@ mod tests {
                     }
                 } else {
                     prop_assert_eq!(p.ring_slots, 0);
+                }
+                // A shared ring only widens a single slot that two or more were asked for.
+                if p.shared_ring_bytes > 0 {
+                    prop_assert!(p.ring_slots == 1 && ring >= 2);
+                    prop_assert!(p.shared_ring_bytes >= p.ring_slot_bytes);
+                    prop_assert!(p.read_ahead_layers >= 1);
+                    prop_assert!(p.read_ahead_layers <= sizes.len() - p.pinned_layers);
                 }
                 // Never worse than the seed's bounded iteration with the same ring count.
                 if p.ring_slots > 0

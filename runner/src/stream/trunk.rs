@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use k3_models::spec::{ModelSpec, TensorDecl};
 
-use super::aligned::AlignedBuf;
+use super::aligned::{AlignedBuf, EndsRing};
 use super::direct::{DirectFile, ReadPool, ReadReq};
 use super::pack::{TRUNK_BIN, TrunkManifest, layer_trunk_decls};
 use super::plan::{TrunkPlan, plan_trunk};
@@ -96,14 +96,49 @@ struct ReadDone {
     bytes: u64,
 }
 
-/// The ring of a trunk with >= 2 slots: a reader thread reads ahead in the cyclic order.
+/// Where the reader puts streamed layers.
+enum Slots {
+    /// Uniform slots of the largest streamed layer: the free ones.
+    Uniform(Vec<AlignedBuf>),
+    /// One shared ring (the plan's `shared_ring_bytes`): layers alternate between its two
+    /// ends, so a layer is read while the one before it computes whenever both fit.
+    Ends { ring: EndsRing, next_at_start: bool },
+}
+
+impl Slots {
+    /// A buffer for a read of `len` bytes, or `None` until one is given back.
+    fn take(&mut self, len: usize) -> Option<AlignedBuf> {
+        match self {
+            Slots::Uniform(free) => free.pop(),
+            Slots::Ends {
+                ring,
+                next_at_start,
+            } => {
+                let b = ring.lend(len, *next_at_start)?;
+                *next_at_start = !*next_at_start;
+                Some(b)
+            }
+        }
+    }
+
+    fn give_back(&mut self, buf: AlignedBuf) {
+        match self {
+            Slots::Uniform(free) => free.push(buf),
+            // Dropping a lent buffer returns its range to the ring.
+            Slots::Ends { .. } => drop(buf),
+        }
+    }
+}
+
+/// The ring of a trunk with >= 2 slots or a shared ring: a reader thread reads ahead in the
+/// cyclic order.
 struct Prefetch {
     jobs: Option<mpsc::Sender<ReadJob>>,
     done: mpsc::Receiver<ReadDone>,
     handle: Option<JoinHandle<()>>,
-    /// The streamed layer the executor is computing (returned to `free` on the next call).
+    /// The streamed layer the executor is computing (returned to `slots` on the next call).
     current: Option<(usize, Loaded)>,
-    free: Vec<AlignedBuf>,
+    slots: Slots,
     in_flight: VecDeque<usize>,
     /// Index into `streamed` of the next layer to issue.
     cursor: usize,
@@ -140,6 +175,8 @@ pub struct StreamedTrunk {
     pinned_load_depth: usize,
     reader_threads_spawned: usize,
     out_of_order: u64,
+    /// Ring reads issued for a layer other than the one being asked for (read ahead).
+    reads_ahead: u64,
     huge_pages: bool,
 }
 
@@ -255,8 +292,33 @@ impl StreamedTrunk {
             huge_pages |= b.huge_pages();
             Ok(b)
         };
+        // A shared ring must hold every streamed layer's span (the plan sized it from the same
+        // 4096-rounded sizes; a buffered fallback's spans are never longer).
+        let shared = plan.shared_ring_bytes as usize;
         let ring = match plan.ring_slots {
             0 => Ring::None,
+            1 if shared >= slot_len && shared > 0 => {
+                let ring = EndsRing::new(shared).map_err(|e| {
+                    StreamError::Invalid(format!(
+                        "cannot allocate the {} shared trunk ring: {e}",
+                        fmt_bytes(shared as u64)
+                    ))
+                })?;
+                huge_pages |= ring.huge_pages();
+                let (_tx, done) = mpsc::channel();
+                Ring::Prefetch(Box::new(Prefetch {
+                    jobs: None,
+                    done,
+                    handle: None,
+                    current: None,
+                    slots: Slots::Ends {
+                        ring,
+                        next_at_start: true,
+                    },
+                    in_flight: VecDeque::new(),
+                    cursor: 0,
+                }))
+            }
             1 => Ring::Sync {
                 slot: alloc(slot_len)?,
                 holds: None,
@@ -273,7 +335,7 @@ impl StreamedTrunk {
                     done,
                     handle: None,
                     current: None,
-                    free,
+                    slots: Slots::Uniform(free),
                     in_flight: VecDeque::new(),
                     cursor: 0,
                 }))
@@ -285,6 +347,7 @@ impl StreamedTrunk {
             pinned_bytes: plan.pinned_bytes,
             ring_slots: plan.ring_slots,
             ring_slot_bytes: plan.ring_slot_bytes,
+            shared_ring_bytes: plan.shared_ring_bytes,
             o_direct: file.is_direct(),
             ..TrunkStats::default()
         };
@@ -303,6 +366,7 @@ impl StreamedTrunk {
             pinned_load_depth: 0,
             reader_threads_spawned: 0,
             out_of_order: 0,
+            reads_ahead: 0,
             huge_pages,
         };
         if opts.preload_pinned {
@@ -428,6 +492,12 @@ impl StreamedTrunk {
         self.reader_threads_spawned
     }
 
+    /// Ring reads issued before their layer was asked for (while another layer computed): per
+    /// cyclic pass, the plan's `read_ahead_layers` once the ring is running.
+    pub fn reads_issued_ahead(&self) -> u64 {
+        self.reads_ahead
+    }
+
     /// Calls that asked for a streamed layer out of the cyclic order (each drains the ring).
     pub fn out_of_order_requests(&self) -> u64 {
         self.out_of_order
@@ -463,7 +533,10 @@ impl StreamedTrunk {
             } else {
                 "4 KB pages (huge pages not advised or not available for these sizes)"
             },
-            if self.plan.prefetch() {
+            if self.plan.shared_ring_bytes > 0 {
+                "a reader thread reads the next layer into the shared ring's free end while a \
+                 layer computes"
+            } else if self.plan.prefetch() {
                 "a reader thread reads layer L+1 while layer L computes"
             } else if self.plan.ring_slots == 1 {
                 "no reader thread (one slot)"
@@ -569,18 +642,25 @@ impl StreamedTrunk {
         Ok(())
     }
 
-    /// Issue reads for the next streamed layers into every free slot.
-    fn top_up(&mut self) -> Result<(), WeightError> {
+    /// Issue reads for the next streamed layers into every free slot (`asked`: the layer the
+    /// executor is waiting for, whose read is not a read ahead).
+    fn top_up(&mut self, asked: usize) -> Result<(), WeightError> {
         let Ring::Prefetch(p) = &mut self.ring else {
             return Ok(());
         };
         let Some(jobs) = &p.jobs else {
             return Ok(());
         };
-        while let Some(buf) = p.free.pop() {
+        loop {
             let layer = self.streamed[p.cursor];
-            p.cursor = (p.cursor + 1) % self.streamed.len();
             let pl = &self.manifest.layers[layer];
+            let Some(buf) = p
+                .slots
+                .take(self.file.span(pl.offset, pl.size as usize).len)
+            else {
+                break;
+            };
+            p.cursor = (p.cursor + 1) % self.streamed.len();
             let job = ReadJob {
                 layer,
                 offset: pl.offset,
@@ -588,13 +668,16 @@ impl StreamedTrunk {
                 buf,
             };
             if let Err(mpsc::SendError(job)) = jobs.send(job) {
-                p.free.push(job.buf);
+                p.slots.give_back(job.buf);
                 return Err(WeightError::Invalid {
                     name: "packed trunk reader thread".to_string(),
                     msg: "stopped unexpectedly".to_string(),
                 });
             }
             p.in_flight.push_back(layer);
+            if layer != asked {
+                self.reads_ahead += 1;
+            }
         }
         Ok(())
     }
@@ -607,6 +690,14 @@ impl StreamedTrunk {
                 msg: "no reader ring".to_string(),
             });
         };
+        if p.in_flight.is_empty() {
+            return Err(WeightError::Invalid {
+                name: "packed trunk".to_string(),
+                msg: "no read in flight for the requested layer (internal error: the ring \
+                      could not place it)"
+                    .to_string(),
+            });
+        }
         let t0 = Instant::now();
         let done = p.done.recv().map_err(|_| WeightError::Invalid {
             name: "packed trunk reader thread".to_string(),
@@ -621,7 +712,7 @@ impl StreamedTrunk {
 
     fn read_prefetched(&mut self, layer: usize) -> Result<(), WeightError> {
         self.start_reader()?;
-        self.top_up()?;
+        self.top_up(layer)?;
         let front = match &self.ring {
             Ring::Prefetch(p) => p.in_flight.front().copied(),
             _ => None,
@@ -639,7 +730,7 @@ impl StreamedTrunk {
                 }
                 let d = self.recv_one()?;
                 if let Ring::Prefetch(p) = &mut self.ring {
-                    p.free.push(d.buf);
+                    p.slots.give_back(d.buf);
                 }
             }
             let pos = self
@@ -653,14 +744,14 @@ impl StreamedTrunk {
             if let Ring::Prefetch(p) = &mut self.ring {
                 p.cursor = pos;
             }
-            self.top_up()?;
+            self.top_up(layer)?;
         }
         let d = self.recv_one()?;
         let Ring::Prefetch(p) = &mut self.ring else {
             return Ok(());
         };
         if d.layer != layer {
-            p.free.push(d.buf);
+            p.slots.give_back(d.buf);
             return Err(WeightError::Invalid {
                 name: format!("trunk layer {layer}"),
                 msg: format!("reader delivered layer {} instead", d.layer),
@@ -672,7 +763,7 @@ impl StreamedTrunk {
                 Ok(())
             }
             Err(e) => {
-                p.free.push(d.buf);
+                p.slots.give_back(d.buf);
                 Err(weight_err(layer, e))
             }
         }
@@ -710,13 +801,13 @@ impl StreamedTrunk {
         if let Ring::Prefetch(p) = &mut self.ring
             && let Some((_, cur)) = p.current.take()
         {
-            p.free.push(cur.buf);
+            p.slots.give_back(cur.buf);
         }
         if self.plan.is_pinned(layer) {
             self.load_pinned_one(layer)?;
             // Read the next streamed layers while the pinned ones compute.
             self.start_reader()?;
-            self.top_up()?;
+            self.top_up(layer)?;
         } else {
             match self.ring {
                 Ring::Sync { .. } => self.read_sync(layer)?,

@@ -218,6 +218,11 @@ pub struct RunArgs {
     /// Keep KV cache and recurrent state between tokens (otherwise recompute the prefix).
     #[arg(long)]
     pub incremental: bool,
+    /// Speculative decoding (with --incremental): verify up to K guessed next tokens, taken
+    /// from where the context's last tokens occurred before, in one pass over the weights;
+    /// the same ids as without it, fewer trunk reads when guesses hold (1..=32).
+    #[arg(long, value_name = "K", conflicts_with_all = ["batch_ids", "chat", "serve"])]
+    pub speculate: Option<usize>,
     /// Worker threads (default: physical cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -604,6 +609,18 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.stop_ids.len() > 8 {
         return Err(Failure::usage("at most 8 --stop-id values"));
     }
+    if let Some(k) = a.speculate {
+        if !(1..=32).contains(&k) {
+            return Err(Failure::usage(format!(
+                "--speculate {k}: guesses per pass must be 1..=32"
+            )));
+        }
+        if !a.incremental {
+            return Err(Failure::usage(
+                "--speculate verifies guesses on the incremental state: add --incremental",
+            ));
+        }
+    }
     let (settings, notes) = memory_settings(a)?;
     let spec = run_spec(a, model_dir)?;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
@@ -695,7 +712,23 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
         !interrupted.load(Ordering::Relaxed)
     };
-    let res = run::generate_from(&spec, &mut exec, providers, &req, start, &mut on_token);
+    let mut spec_stats = None;
+    let res = match a.speculate {
+        Some(k) => crate::speculate::generate_speculative(
+            &spec,
+            &mut exec,
+            providers,
+            &req,
+            start,
+            crate::speculate::Speculation::with_max_draft(k),
+            &mut on_token,
+        )
+        .map(|(r, st, end)| {
+            spec_stats = Some(st);
+            (r, end)
+        }),
+        None => run::generate_from(&spec, &mut exec, providers, &req, start, &mut on_token),
+    };
     let res = match res {
         Ok((r, end_state)) => {
             if let Some(p) = &a.save_state {
@@ -747,6 +780,29 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         },
         res.first_logits_hash
     );
+    if let Some(st) = &spec_stats {
+        println!(
+            "speculation: {} passes for {} tokens ({:.2} per pass); {} guesses, {} accepted \
+             ({:.0}%), {} rewinds",
+            st.passes,
+            res.generated_ids.len(),
+            if st.passes > 0 {
+                // the first id comes from the prefill; each pass yields its accepted guesses
+                // plus one id
+                (res.generated_ids.len().saturating_sub(1)) as f64 / st.passes as f64
+            } else {
+                0.0
+            },
+            st.drafted,
+            st.accepted,
+            if st.drafted > 0 {
+                100.0 * st.accepted as f64 / st.drafted as f64
+            } else {
+                0.0
+            },
+            st.rewinds
+        );
+    }
     let time_to_first_token = time_to_first_token.get();
     if let Some(ttft) = time_to_first_token {
         println!(
@@ -782,11 +838,20 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         );
     }
     println!(
-        "I/O share of wall clock: {:.1}% (trunk {:.3} s + experts {:.3} s of {:.3} s; the pinned-prefix load at start-up is not in it)",
+        "I/O share of wall clock: {:.1}% (trunk {:.3} s + experts {:.3} s of {:.3} s; the pinned-prefix load at start-up is not in it){}",
         100.0 * io_share,
         run_trunk_seconds,
         experts.read_seconds,
-        res.total_seconds
+        res.total_seconds,
+        if trunk.reader_thread {
+            // Reader-thread reads overlap compute: their seconds can exceed the wall clock.
+            format!(
+                "; trunk reads ran beside compute, the executor waited {:.3} s for them",
+                (trunk.wait_seconds - session.pinned_load_seconds).max(0.0)
+            )
+        } else {
+            String::new()
+        }
     );
     println!(
         "trunk: pinned {}/{} layers, ring {} x {}{}, {:.3} GB read in {:.3} s ({:.0} MB/s){}",
@@ -857,6 +922,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "total_seconds": res.total_seconds,
         "peak_rss_bytes": peak,
         "stopped_by": res.stopped_by,
+        "speculation": spec_stats,
         "memory_plan": session.startup,
         "memory_limit": {
             "bytes": mem_limit.bytes(),

@@ -131,6 +131,65 @@ impl SeqState {
             .collect();
         SeqState { layers, n_pos: 0 }
     }
+
+    /// A mark to [`Self::rewind`] to: the KDA layers' conv windows and recurrent state (fixed
+    /// size, copied) and every MLA cache's length (append-only, so a length is enough).
+    pub fn mark(&self) -> StateMark {
+        StateMark {
+            n_pos: self.n_pos,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Kda(k) => MarkedLayer::Kda(k.clone()),
+                    LayerState::Mla(m) => {
+                        MarkedLayer::Mla([m.k_nope.len(), m.k_rope.len(), m.v.len()])
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// Back to the state at `mark` (taken from this state, which has only been fed since):
+    /// the KDA states copied back, the MLA caches cut to their marked lengths.
+    pub fn rewind(&mut self, mark: &StateMark) {
+        assert!(
+            mark.n_pos <= self.n_pos && mark.layers.len() == self.layers.len(),
+            "rewind: the mark is not from this state's past"
+        );
+        for (l, m) in self.layers.iter_mut().zip(&mark.layers) {
+            match (l, m) {
+                (LayerState::Kda(k), MarkedLayer::Kda(saved)) => k.clone_from(saved),
+                (LayerState::Mla(st), MarkedLayer::Mla([a, b, c])) => {
+                    st.k_nope.truncate(*a);
+                    st.k_rope.truncate(*b);
+                    st.v.truncate(*c);
+                }
+                _ => panic!("rewind: the mark's layer kinds differ from this state's"),
+            }
+        }
+        self.n_pos = mark.n_pos;
+    }
+}
+
+/// A point a [`SeqState`] can be rewound to (speculative decoding's rejected drafts).
+#[derive(Clone, Debug)]
+pub struct StateMark {
+    n_pos: usize,
+    layers: Vec<MarkedLayer>,
+}
+
+#[derive(Clone, Debug)]
+enum MarkedLayer {
+    Kda(KdaState),
+    Mla([usize; 3]),
+}
+
+impl StateMark {
+    /// Positions fed when the mark was taken.
+    pub fn n_pos(&self) -> usize {
+        self.n_pos
+    }
 }
 
 /// Scratch buffers, sized once from the plan. Shape comments give the dimension names.
@@ -547,6 +606,57 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [f32],
     ) -> Result<(), ExecError> {
+        let Some(mut carries) = self.feed(tokens, state, w)? else {
+            return Ok(());
+        };
+        let last = tokens.len() - 1;
+        if last > 0 {
+            carries[last - 1].swap_with(&mut self.s);
+        }
+        self.output(w, logits)
+    }
+
+    /// [`Self::prefill`] with the logits after EVERY token: `logits[t]` after `tokens[t]`
+    /// (`logits.len() == tokens.len()`), each bit-identical to the logits [`Self::step`] gives
+    /// when the tokens are fed one by one. One trunk pass for all of them: the verify pass of
+    /// speculative decoding (`run::generate_speculative`).
+    pub fn prefill_each(
+        &mut self,
+        tokens: &[u32],
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        logits: &mut [Vec<f32>],
+    ) -> Result<(), ExecError> {
+        assert_eq!(
+            tokens.len(),
+            logits.len(),
+            "prefill_each: one logits buffer per token"
+        );
+        let Some(mut carries) = self.feed(tokens, state, w)? else {
+            return Ok(());
+        };
+        for (t, lg) in logits.iter_mut().enumerate() {
+            if t > 0 {
+                carries[t - 1].swap_with(&mut self.s);
+            }
+            let r = self.output(w, lg);
+            if t > 0 {
+                carries[t - 1].swap_with(&mut self.s);
+            }
+            r?;
+        }
+        Ok(())
+    }
+
+    /// The layers of [`Self::prefill`]: `tokens` through every layer (layer-major), the state
+    /// advanced past them. Returns the residual carries (token 0's in the scratch, token k's
+    /// in `carries[k - 1]`), or `None` for no tokens.
+    fn feed(
+        &mut self,
+        tokens: &[u32],
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+    ) -> Result<Option<Vec<Carry>>, ExecError> {
         let spec = self.spec;
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
             return Err(ExecError::BadToken {
@@ -560,9 +670,9 @@ impl<'s> Executor<'s> {
                 max: self.plan.max_positions,
             });
         }
-        let Some(last) = tokens.len().checked_sub(1) else {
-            return Ok(());
-        };
+        if tokens.is_empty() {
+            return Ok(None);
+        }
         w.experts.begin_token();
         let mut carries = self.embed_carries(tokens, w)?;
         // Look-ahead expert guesses (decode only: in a prompt chunk the next layer's input is
@@ -599,12 +709,8 @@ impl<'s> Executor<'s> {
                 r?;
             }
         }
-        if last > 0 {
-            carries[last - 1].swap_with(&mut self.s);
-        }
-        self.output(w, logits)?;
         state.n_pos += tokens.len();
-        Ok(())
+        Ok(Some(carries))
     }
 
     /// One decode step of SEVERAL sequences that share each layer's weights: token

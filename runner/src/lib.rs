@@ -3,7 +3,8 @@
 //! Map: [`checkpoint`] reads real-layout safetensors checkpoints; [`synth`] writes synthetic
 //! ones; [`plan`] compiles a spec into an execution plan; [`exec`] runs the forward pass over
 //! the [`weights`] providers ([`resident`], optionally over an [`arena`], or [`stream`]);
-//! [`run`] is the decode loop; [`cli`] is the `k3-run` command line.
+//! [`run`] is the decode loop ([`speculate`]: several greedy tokens per trunk pass, the same
+//! tokens); [`cli`] is the `k3-run` command line.
 
 pub mod arena;
 pub mod chat;
@@ -16,6 +17,7 @@ pub mod resident;
 pub mod run;
 pub mod runconfig;
 pub mod session;
+pub mod speculate;
 pub mod statefile;
 pub mod stream;
 pub mod synth;

@@ -624,3 +624,48 @@ fn batch_ids_decode_together_with_each_sequences_own_bits() {
         expect_fail(&k3(&args), 2, &[needle]);
     }
 }
+
+#[test]
+fn speculate_keeps_the_reference_ids_and_reports_its_passes() {
+    let (plain, dump_plain, _) = run_a(&["--incremental"], &[]);
+    let (spec, dump_spec, out) = run_a(&["--incremental", "--speculate", "4"], &[]);
+    assert_eq!(spec["generated_ids"], plain["generated_ids"]);
+    assert_eq!(dump_spec, dump_plain, "first-step logit bytes");
+    let s = &spec["speculation"];
+    let passes = s["passes"].as_u64().expect("speculation.passes");
+    let n = ids_of(&spec["generated_ids"]).len() as u64;
+    assert!(passes >= 1 && passes < n, "{passes} passes for {n} ids");
+    assert!(s["accepted"].as_u64() <= s["drafted"].as_u64(), "{s}");
+    assert!(out.contains("speculation: "), "{out}");
+    assert!(plain["speculation"].is_null());
+    // Refusals: without --incremental, K out of range, with --batch-ids.
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    expect_fail(
+        &k3(&[a, "--ids", "1,2", "--speculate", "4"]),
+        2,
+        &["--speculate", "--incremental"],
+    );
+    expect_fail(
+        &k3(&[a, "--ids", "1,2", "--incremental", "--speculate", "0"]),
+        2,
+        &["--speculate 0", "1..=32"],
+    );
+    expect_fail(
+        &k3(&[a, "--ids", "1,2", "--incremental", "--speculate", "33"]),
+        2,
+        &["1..=32"],
+    );
+    expect_fail(
+        &k3(&[
+            a,
+            "--batch-ids",
+            "1,2;3",
+            "--incremental",
+            "--speculate",
+            "2",
+        ]),
+        2,
+        &["--speculate"],
+    );
+}

@@ -218,10 +218,11 @@ pub struct RunArgs {
     /// Keep KV cache and recurrent state between tokens (otherwise recompute the prefix).
     #[arg(long)]
     pub incremental: bool,
-    /// Speculative decoding (with --incremental): verify up to K guessed next tokens, taken
-    /// from where the context's last tokens occurred before, in one pass over the weights;
-    /// the same ids as without it, fewer trunk reads when guesses hold (1..=32).
-    #[arg(long, value_name = "K", conflicts_with_all = ["batch_ids", "chat", "serve"])]
+    /// Speculative decoding (with --incremental, or in greedy --chat / --serve turns): verify
+    /// up to K guessed next tokens, taken from where the context's last tokens occurred
+    /// before, in one pass over the weights; the same ids as without it, fewer trunk reads
+    /// when guesses hold (1..=32).
+    #[arg(long, value_name = "K", conflicts_with = "batch_ids")]
     pub speculate: Option<usize>,
     /// Worker threads (default: physical cores).
     #[arg(long)]
@@ -609,17 +610,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.stop_ids.len() > 8 {
         return Err(Failure::usage("at most 8 --stop-id values"));
     }
-    if let Some(k) = a.speculate {
-        if !(1..=32).contains(&k) {
-            return Err(Failure::usage(format!(
-                "--speculate {k}: guesses per pass must be 1..=32"
-            )));
-        }
-        if !a.incremental {
-            return Err(Failure::usage(
-                "--speculate verifies guesses on the incremental state: add --incremental",
-            ));
-        }
+    let speculation = crate::speculate::from_flag(a.speculate).map_err(Failure::usage)?;
+    if speculation.is_some() && !a.incremental {
+        return Err(Failure::usage(
+            "--speculate verifies guesses on the incremental state: add --incremental",
+        ));
     }
     let (settings, notes) = memory_settings(a)?;
     let spec = run_spec(a, model_dir)?;
@@ -713,14 +708,14 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         !interrupted.load(Ordering::Relaxed)
     };
     let mut spec_stats = None;
-    let res = match a.speculate {
-        Some(k) => crate::speculate::generate_speculative(
+    let res = match speculation {
+        Some(opts) => crate::speculate::generate_speculative(
             &spec,
             &mut exec,
             providers,
             &req,
             start,
-            crate::speculate::Speculation::with_max_draft(k),
+            opts,
             &mut on_token,
         )
         .map(|(r, st, end)| {

@@ -576,6 +576,11 @@ impl<'s> Executor<'s> {
         &self.plan
     }
 
+    /// The model this executor runs.
+    pub fn spec(&self) -> &'s ModelSpec {
+        self.spec
+    }
+
     pub fn pool(&self) -> &Pool {
         &self.pool
     }

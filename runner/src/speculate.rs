@@ -47,6 +47,16 @@ impl Speculation {
     }
 }
 
+/// `--speculate K` checked: `None` without the flag, an error naming the flag for K outside
+/// 1..=32.
+pub fn from_flag(k: Option<usize>) -> Result<Option<Speculation>, String> {
+    match k {
+        None => Ok(None),
+        Some(k) if (1..=32).contains(&k) => Ok(Some(Speculation::with_max_draft(k))),
+        Some(k) => Err(format!("--speculate {k}: guesses per pass must be 1..=32")),
+    }
+}
+
 /// What speculation did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SpecStats {
@@ -81,6 +91,121 @@ pub fn lookup_draft(context: &[u32], k: usize, min_ngram: usize, max_ngram: usiz
     Vec::new()
 }
 
+/// The verify loop's state across one generation: emitted ids not yet fed, the mark of the
+/// last pass, the adaptive guess count, the counters. The driver emits ids as usual; after
+/// each emitted id that does not end generation it calls [`Speculator::advance`] instead of a
+/// one-token step, emits the accepted guesses it returns (any of them may end generation), and
+/// calls [`Speculator::finish`] at the end.
+#[derive(Debug)]
+pub struct Speculator {
+    opts: Speculation,
+    k_cur: usize,
+    pending: Vec<u32>,
+    mark: Option<StateMark>,
+    pass_logits: Vec<Vec<f32>>,
+    pub stats: SpecStats,
+}
+
+impl Speculator {
+    pub fn new(opts: Speculation) -> Self {
+        Self {
+            opts,
+            k_cur: opts.max_draft.div_ceil(2).clamp(1, opts.max_draft.max(1)),
+            pending: Vec::new(),
+            mark: None,
+            pass_logits: Vec::new(),
+            stats: SpecStats::default(),
+        }
+    }
+
+    /// `next` was just emitted and generation goes on: feed it (with any ids still pending)
+    /// and guesses drawn from `context` (every id so far, ending with `next`) in one pass.
+    /// `logits` becomes the logits after the last accepted guess (after `next` if none held);
+    /// returns the accepted guesses, in order, for the driver to emit. `room`: ids the driver
+    /// may still emit after `next`; `choose`: the id the driver would pick from logits (its
+    /// greedy rule, e.g. an argmax over the allowed vocabulary).
+    #[allow(clippy::too_many_arguments)]
+    pub fn advance(
+        &mut self,
+        exec: &mut Executor<'_>,
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        next: u32,
+        context: &[u32],
+        room: usize,
+        logits: &mut Vec<f32>,
+        choose: &dyn Fn(&[f32]) -> u32,
+    ) -> Result<Vec<u32>, ExecError> {
+        self.pending.push(next);
+        let ctx_room = exec
+            .plan()
+            .max_positions
+            .saturating_sub(state.n_pos + self.pending.len());
+        // Guesses beyond what is still to emit are wasted: the pass's own next id is one more.
+        let k = self.k_cur.min(room.saturating_sub(1)).min(ctx_room);
+        let drafts = lookup_draft(context, k, self.opts.min_ngram, self.opts.max_ngram);
+        let fed: Vec<u32> = self.pending.iter().chain(&drafts).copied().collect();
+        let vocab = logits.len();
+        self.pass_logits
+            .resize_with(fed.len(), || vec![0.0f32; vocab]);
+        let m0 = state.mark();
+        exec.prefill_each(&fed, state, w, &mut self.pass_logits[..fed.len()])?;
+        let p = self.pending.len();
+        let accepted = drafts
+            .iter()
+            .enumerate()
+            .take_while(|&(j, &d)| choose(&self.pass_logits[p - 1 + j]) == d)
+            .count();
+        self.stats.passes += 1;
+        self.stats.drafted += drafts.len();
+        self.stats.accepted += accepted;
+        std::mem::swap(logits, &mut self.pass_logits[p - 1 + accepted]);
+        if accepted == drafts.len() {
+            self.pending.clear();
+        } else {
+            // Undo the pass; its accepted ids are fed again at the start of the next one.
+            state.rewind(&m0);
+            self.stats.rewinds += 1;
+            self.pending.extend_from_slice(&drafts[..accepted]);
+        }
+        self.mark = Some(m0);
+        if !drafts.is_empty() {
+            self.k_cur = if accepted == drafts.len() {
+                (self.k_cur + 2).min(self.opts.max_draft)
+            } else {
+                self.k_cur.saturating_sub(1).max(1)
+            };
+        }
+        Ok(drafts[..accepted].to_vec())
+    }
+
+    /// Leave `state` as plain decoding would: `all` (the ids from position `base` on: what was
+    /// fed before generation, then every emitted id) fed but its last id. The last pass may
+    /// have fed guesses beyond an id that ended generation (rewound), or left emitted ids
+    /// pending (fed here).
+    pub fn finish(
+        &mut self,
+        exec: &mut Executor<'_>,
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        all: &[u32],
+        base: usize,
+    ) -> Result<(), ExecError> {
+        let target = base + all.len().saturating_sub(1);
+        if state.n_pos > target
+            && let Some(m) = &self.mark
+        {
+            state.rewind(m);
+        }
+        let mut scratch = vec![0.0f32; exec.spec().vocab_size];
+        for chunk in all[state.n_pos.min(target) - base..target - base].chunks(PREFILL_CHUNK) {
+            exec.prefill(chunk, state, w, &mut scratch)?;
+        }
+        self.pending.clear();
+        Ok(())
+    }
+}
+
 /// Greedy generation like [`crate::run::generate_from`] (incremental) from `start`,
 /// verifying prompt-lookup guesses: the same ids and first-step logits, in fewer trunk passes
 /// when guesses hold. Returns the result, the counters and the state after the prompt and
@@ -102,7 +227,6 @@ pub fn generate_speculative(
         prompt_ids: req.prompt_ids.clone(),
         ..GenResult::default()
     };
-    let mut stats = SpecStats::default();
     for chunk in req.prompt_ids.chunks(PREFILL_CHUNK) {
         exec.prefill(chunk, &mut state, w, &mut logits)?;
     }
@@ -110,15 +234,11 @@ pub fn generate_speculative(
     res.first_logits = logits.clone();
     res.first_logits_hash = logits_hash(&logits);
 
-    // Every token from position `base` on (the lookup context); `pending`: emitted ids not
-    // yet fed.
+    // Every id from position `base` on: the lookup context.
     let mut all = req.prompt_ids.clone();
-    let mut pending: Vec<u32> = Vec::new();
-    let mut pass_logits: Vec<Vec<f32>> = Vec::new();
-    let mut mark: Option<StateMark> = None;
-    let mut k_cur = opts.max_draft.div_ceil(2).max(1).min(opts.max_draft);
+    let mut sp = Speculator::new(opts);
     let mut decode_seconds = 0.0;
-    let max_pos = exec.plan().max_positions;
+    let choose = |l: &[f32]| ops::argmax(l) as u32;
     // Emit one id: record it, report it; false when generation ends here.
     let mut emit = |res: &mut GenResult, all: &mut Vec<u32>, id: u32| -> bool {
         let i = res.generated_ids.len();
@@ -141,68 +261,23 @@ pub fn generate_speculative(
     };
     if req.n_gen > 0 {
         'run: loop {
-            let next = ops::argmax(&logits) as u32;
+            let next = choose(&logits);
             if !emit(&mut res, &mut all, next) {
                 break;
             }
-            pending.push(next);
             let ts = Instant::now();
-            // Guesses beyond what is still to emit are wasted: the pass's bonus id is one more.
             let room = req.n_gen - res.generated_ids.len();
-            let ctx_room = max_pos.saturating_sub(state.n_pos + pending.len());
-            let k = opts.max_draft.min(k_cur).min(room - 1).min(ctx_room);
-            let drafts = lookup_draft(&all, k, opts.min_ngram, opts.max_ngram);
-            let fed: Vec<u32> = pending.iter().chain(&drafts).copied().collect();
-            pass_logits.resize_with(fed.len(), || vec![0.0f32; spec.vocab_size]);
-            let m0 = state.mark();
-            exec.prefill_each(&fed, &mut state, w, &mut pass_logits[..fed.len()])?;
-            let p = pending.len();
-            let accepted = drafts
-                .iter()
-                .enumerate()
-                .take_while(|&(j, &d)| ops::argmax(&pass_logits[p - 1 + j]) as u32 == d)
-                .count();
-            stats.passes += 1;
-            stats.drafted += drafts.len();
-            stats.accepted += accepted;
-            std::mem::swap(&mut logits, &mut pass_logits[p - 1 + accepted]);
-            if accepted == drafts.len() {
-                pending.clear();
-            } else {
-                // Undo the pass; its accepted ids are fed again at the start of the next one.
-                state.rewind(&m0);
-                stats.rewinds += 1;
-            }
-            mark = Some(m0);
-            if !drafts.is_empty() {
-                k_cur = if accepted == drafts.len() {
-                    (k_cur + 2).min(opts.max_draft)
-                } else {
-                    k_cur.saturating_sub(1).max(1)
-                };
-            }
+            let accepted =
+                sp.advance(exec, &mut state, w, next, &all, room, &mut logits, &choose)?;
             decode_seconds += ts.elapsed().as_secs_f64();
-            for &d in &drafts[..accepted] {
-                if accepted < drafts.len() {
-                    pending.push(d);
-                }
+            for d in accepted {
                 if !emit(&mut res, &mut all, d) {
                     break 'run;
                 }
             }
         }
     }
-    // The state plain decoding ends in: the prompt and every generated id but the last fed.
-    let target = base + req.prompt_ids.len() + res.generated_ids.len().saturating_sub(1);
-    if state.n_pos > target
-        && let Some(m) = &mark
-    {
-        state.rewind(m);
-    }
-    let mut scratch = vec![0.0f32; spec.vocab_size];
-    for chunk in all[state.n_pos.min(target) - base..target - base].chunks(PREFILL_CHUNK) {
-        exec.prefill(chunk, &mut state, w, &mut scratch)?;
-    }
+    sp.finish(exec, &mut state, w, &all, base)?;
     let n_decode = res.generated_ids.len().saturating_sub(1);
     res.seconds_per_token = if n_decode > 0 {
         decode_seconds / n_decode as f64
@@ -210,7 +285,7 @@ pub fn generate_speculative(
         0.0
     };
     res.total_seconds = t0.elapsed().as_secs_f64();
-    Ok((res, stats, state))
+    Ok((res, sp.stats, state))
 }
 
 #[cfg(test)]

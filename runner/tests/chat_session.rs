@@ -21,6 +21,7 @@ fn config(n_gen: usize, incremental: bool) -> SessionConfig {
         incremental,
         sampling: Sampling::Greedy,
         extra_stop_ids: Vec::new(),
+        speculate: None,
     }
 }
 
@@ -125,4 +126,80 @@ fn turn_stops_commit_rule_interrupt_and_reuse() {
         "{e}"
     );
     assert_eq!(s4.positions(), 0);
+}
+
+const MAX_CTX: usize = 1755;
+
+/// `--speculate` in the chat session: greedy turns with guesses verified in one pass give the
+/// same ids, stop reasons and replies as plain turns, over several incremental turns (the
+/// state each turn leaves is reused by the next, so a wrong state would change later turns),
+/// with the context filling up in the last turn.
+#[test]
+fn speculative_turns_equal_plain_turns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = chat_support::synth_model(dir.path());
+    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
+    let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
+    let mut w = Providers {
+        trunk: Box::new(ResidentTrunk::with_arena(&spec, &ckpt, None).expect("trunk")),
+        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
+        global: Box::new(ResidentGlobal::with_arena(&spec, &ckpt, None).expect("globals")),
+    };
+    let tok = || Tokenizer::load(&model).expect("tokenizer");
+    let never = AtomicBool::new(false);
+    let users = [
+        "abc abc abc abc",
+        "one two one two one two",
+        "the the the",
+        "x y z x y z x y z",
+    ];
+    let run = |speculate: Option<usize>, w: &mut Providers<'_>| {
+        // A context that fills up during the last turns.
+        let mut exec = Executor::new(&spec, Plan::new(&spec, MAX_CTX), 1);
+        let mut cfg = config(48, true);
+        cfg.speculate = k3_run::speculate::from_flag(speculate).expect("K");
+        let mut s = Session::new(&spec, tok(), cfg, vec![Message::system("S")]).expect("session");
+        let mut out = Vec::new();
+        let mut stats = k3_run::speculate::SpecStats::default();
+        for u in users {
+            let o = match s.turn(&mut exec, w, u, &never, &mut |_| {}) {
+                Ok(o) => o,
+                Err(e) => {
+                    // The transcript no longer fits: the same refusal either way.
+                    out.push((Vec::new(), Stop::Interrupted, e.to_string(), s.positions()));
+                    break;
+                }
+            };
+            if let Some(st) = &o.speculation {
+                stats.passes += st.passes;
+                stats.drafted += st.drafted;
+                stats.accepted += st.accepted;
+                stats.rewinds += st.rewinds;
+            }
+            out.push((
+                o.generated.clone(),
+                o.stop,
+                o.reply.content.clone(),
+                s.positions(),
+            ));
+            if let Some(r) = o.records {
+                s.commit(r);
+            }
+        }
+        (out, stats)
+    };
+    let (plain, none) = run(None, &mut w);
+    assert_eq!(none, k3_run::speculate::SpecStats::default());
+    for k in [2, 5] {
+        let (got, stats) = run(Some(k), &mut w);
+        assert_eq!(got, plain, "K {k}");
+        // Guesses were made, some held (turn 3 repeats turn 2's opening) and some not.
+        assert!(stats.accepted > 0 && stats.rewinds > 0, "K {k}: {stats:?}");
+    }
+    assert!(
+        plain
+            .iter()
+            .any(|(_, stop, _, _)| matches!(stop, Stop::ContextFull { .. })),
+        "the context should fill up: {plain:?}"
+    );
 }

@@ -297,8 +297,14 @@ fn print_stop(o: &TurnOutcome, positions: usize, max: usize) {
             return;
         }
     };
+    let spec = o.speculation.as_ref().map_or(String::new(), |s| {
+        format!(
+            "; speculation: {} passes, {} of {} guesses held",
+            s.passes, s.accepted, s.drafted
+        )
+    });
     println!(
-        "[{why}; {n} tokens in {:.2} s ({rate:.1} tok/s); context {positions}/{max}]",
+        "[{why}; {n} tokens in {:.2} s ({rate:.1} tok/s); context {positions}/{max}{spec}]",
         o.decode_seconds
     );
 }
@@ -388,6 +394,7 @@ pub fn main(
         incremental: run.incremental,
         sampling,
         extra_stop_ids,
+        speculate: crate::speculate::from_flag(run.speculate).map_err(usage)?,
     };
     let mut session = Session::new(spec, tok, cfg, messages).map_err(usage)?;
     let max = exec.plan().max_positions;

@@ -231,6 +231,7 @@ pub fn main(
         incremental: run.incremental,
         sampling: Sampling::Greedy,
         extra_stop_ids,
+        speculate: crate::speculate::from_flag(run.speculate).map_err(usage)?,
     };
     let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
     let server = tiny_http::Server::http(addr)
@@ -454,7 +455,8 @@ fn complete(
                 "completion_tokens": o.generated.len(),
                 "total_tokens": o.prefill.total + o.generated.len()});
             let k3 = json!({"reused_positions": o.prefill.reused, "fed_positions": o.prefill.fed,
-                "prefill_seconds": o.prefill.seconds, "decode_seconds": o.decode_seconds});
+                "prefill_seconds": o.prefill.seconds, "decode_seconds": o.decode_seconds,
+                "speculation": o.speculation});
             let finish = finish_reason(o.stop);
             if let Some(mut w) = writer.take() {
                 let last = json!({"id": id, "object": "chat.completion.chunk", "created": created,

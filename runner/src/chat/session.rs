@@ -29,6 +29,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use k3_kernels::ops;
 use k3_models::spec::ModelSpec;
 use k3_text::chat::{self, Message, RenderOptions, Role, Thinking};
 use k3_text::history;
@@ -37,6 +38,7 @@ use k3_text::tokenizer::Tokenizer;
 
 use super::sample::{Sampler, Sampling};
 use crate::exec::{ExecError, Executor, Providers, SeqState};
+use crate::speculate::{SpecStats, Speculation, Speculator};
 
 /// Errors of a session. [`SessionError::Exec`] is fatal for the REPL; the others refuse one
 /// turn and leave the transcript as it was.
@@ -72,6 +74,9 @@ pub struct SessionConfig {
     pub sampling: Sampling,
     /// Stop ids besides `<|end_of_msg|>`: config eos ids and `--stop-id`s.
     pub extra_stop_ids: Vec<u32>,
+    /// `--speculate K`: verify prompt-lookup guesses in one pass (greedy turns only; the same
+    /// ids, see `crate::speculate`).
+    pub speculate: Option<Speculation>,
 }
 
 /// What a prefill did.
@@ -128,6 +133,8 @@ pub struct TurnOutcome {
     pub decode_seconds: f64,
     /// The records to commit (user, assistant) when [`Stop::commits`].
     pub records: Option<[Message; 2]>,
+    /// What speculation did, when the turn speculated.
+    pub speculation: Option<SpecStats>,
 }
 
 /// Load a history file for `render-chat` and the REPL: every line validated (a corrupt line
@@ -386,6 +393,7 @@ impl<'s> Session<'s> {
             generated: Vec::new(),
             decode_seconds: 0.0,
             records: None,
+            speculation: None,
         };
         if prefill.reused + prefill.fed < prefill.total {
             return Ok(out);
@@ -398,8 +406,21 @@ impl<'s> Session<'s> {
         let max = exec.plan().max_positions;
         let t0 = Instant::now();
         let mut stop = Stop::GenLimit;
+        // Speculation (greedy turns only): `queue` holds verified guesses still to emit; the
+        // logits are already past them.
+        let mut spec = match (self.cfg.speculate, self.cfg.sampling) {
+            (Some(o), Sampling::Greedy) => Some(Speculator::new(o)),
+            _ => None,
+        };
+        let fed_before = self.fed.len();
+        let n_allowed = self.n_allowed;
+        let choose = |l: &[f32]| ops::argmax(&l[..n_allowed]) as u32;
+        let mut queue = std::collections::VecDeque::new();
         for i in 0..self.cfg.n_gen {
-            let next = sampler.sample(&self.logits[..self.n_allowed]);
+            let (next, guessed) = match queue.pop_front() {
+                Some(d) => (d, true),
+                None => (sampler.sample(&self.logits[..self.n_allowed]), false),
+            };
             out.generated.push(next);
             if next != self.eom && self.cfg.extra_stop_ids.contains(&next) {
                 stop = Stop::StopId(next);
@@ -428,14 +449,51 @@ impl<'s> Session<'s> {
             if i + 1 == self.cfg.n_gen {
                 break;
             }
-            match exec.step(next, &mut self.state, w, &mut self.logits) {
-                Ok(()) => self.fed.push(next),
+            let r = match spec.as_mut() {
+                // A verified guess: already fed (or pending in the speculator).
+                Some(_) if guessed => continue,
+                Some(sp) => {
+                    let context: Vec<u32> = self.fed[..fed_before]
+                        .iter()
+                        .chain(&out.generated)
+                        .copied()
+                        .collect();
+                    let room = self.cfg.n_gen - (i + 1);
+                    sp.advance(
+                        exec,
+                        &mut self.state,
+                        w,
+                        next,
+                        &context,
+                        room,
+                        &mut self.logits,
+                        &choose,
+                    )
+                    .map(|acc| queue.extend(acc))
+                }
+                None => exec
+                    .step(next, &mut self.state, w, &mut self.logits)
+                    .map(|()| self.fed.push(next)),
+            };
+            match r {
+                Ok(()) => {}
                 Err(ExecError::ContextFull { .. }) => {
                     stop = Stop::ContextFull { max };
                     break;
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+        if let Some(mut sp) = spec {
+            // The state plain decoding leaves: the prompt and every generated id but the last.
+            let all: Vec<u32> = self.fed[..fed_before]
+                .iter()
+                .chain(&out.generated)
+                .copied()
+                .collect();
+            sp.finish(exec, &mut self.state, w, &all, 0)?;
+            self.fed = all[..all.len().saturating_sub(1).max(fed_before)].to_vec();
+            out.speculation = Some(sp.stats);
         }
         out.decode_seconds = t0.elapsed().as_secs_f64();
         out.stop = stop;

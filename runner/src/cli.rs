@@ -707,23 +707,20 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
         !interrupted.load(Ordering::Relaxed)
     };
+    let res = run::generate_with(
+        &spec,
+        &mut exec,
+        providers,
+        &req,
+        start,
+        speculation,
+        &mut on_token,
+    );
     let mut spec_stats = None;
-    let res = match speculation {
-        Some(opts) => crate::speculate::generate_speculative(
-            &spec,
-            &mut exec,
-            providers,
-            &req,
-            start,
-            opts,
-            &mut on_token,
-        )
-        .map(|(r, st, end)| {
-            spec_stats = Some(st);
-            (r, end)
-        }),
-        None => run::generate_from(&spec, &mut exec, providers, &req, start, &mut on_token),
-    };
+    let res = res.map(|(r, st, end)| {
+        spec_stats = st;
+        (r, end)
+    });
     let res = match res {
         Ok((r, end_state)) => {
             if let Some(p) = &a.save_state {

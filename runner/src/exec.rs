@@ -614,17 +614,13 @@ impl<'s> Executor<'s> {
         let Some(mut carries) = self.feed(tokens, state, w)? else {
             return Ok(());
         };
-        let last = tokens.len() - 1;
-        if last > 0 {
-            carries[last - 1].swap_with(&mut self.s);
-        }
-        self.output(w, logits)
+        self.output_of(&mut carries, tokens.len() - 1, w, logits)
     }
 
     /// [`Self::prefill`] with the logits after EVERY token: `logits[t]` after `tokens[t]`
     /// (`logits.len() == tokens.len()`), each bit-identical to the logits [`Self::step`] gives
     /// when the tokens are fed one by one. One trunk pass for all of them: the verify pass of
-    /// speculative decoding (`run::generate_speculative`).
+    /// speculative decoding (`run::generate_with`, `speculate::Speculator`).
     pub fn prefill_each(
         &mut self,
         tokens: &[u32],
@@ -641,16 +637,28 @@ impl<'s> Executor<'s> {
             return Ok(());
         };
         for (t, lg) in logits.iter_mut().enumerate() {
-            if t > 0 {
-                carries[t - 1].swap_with(&mut self.s);
-            }
-            let r = self.output(w, lg);
-            if t > 0 {
-                carries[t - 1].swap_with(&mut self.s);
-            }
-            r?;
+            self.output_of(&mut carries, t, w, lg)?;
         }
         Ok(())
+    }
+
+    /// [`Self::output`] for token `k` of a layer-major call: its residual carry (token 0's is
+    /// the scratch itself, token k's `carries[k - 1]`) swapped into the scratch and back.
+    fn output_of(
+        &mut self,
+        carries: &mut [Carry],
+        k: usize,
+        w: &mut Providers<'_>,
+        logits: &mut [f32],
+    ) -> Result<(), ExecError> {
+        if k > 0 {
+            carries[k - 1].swap_with(&mut self.s);
+        }
+        let r = self.output(w, logits);
+        if k > 0 {
+            carries[k - 1].swap_with(&mut self.s);
+        }
+        r
     }
 
     /// The layers of [`Self::prefill`]: `tokens` through every layer (layer-major), the state
@@ -816,15 +824,7 @@ impl<'s> Executor<'s> {
         let mut k = 0;
         for ((st, lg), p) in states.iter_mut().zip(logits.iter_mut()).zip(parts) {
             k += p.len();
-            let last = k - 1;
-            if last > 0 {
-                carries[last - 1].swap_with(&mut self.s);
-            }
-            let r = self.output(w, lg);
-            if last > 0 {
-                carries[last - 1].swap_with(&mut self.s);
-            }
-            r?;
+            self.output_of(&mut carries, k - 1, w, lg)?;
             st.n_pos += p.len();
         }
         Ok(())

@@ -9,6 +9,7 @@ use k3_kernels::ops;
 use k3_models::spec::ModelSpec;
 
 use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState};
+use crate::speculate::{SpecStats, Speculation, Speculator};
 
 /// How to generate.
 #[derive(Clone, Debug)]
@@ -79,6 +80,22 @@ pub fn generate_from(
     start: SeqState,
     on_token: &mut OnToken<'_>,
 ) -> Result<(GenResult, SeqState), ExecError> {
+    generate_with(spec, exec, w, req, start, None, on_token).map(|(r, _, st)| (r, st))
+}
+
+/// [`generate_from`], optionally speculating (`--speculate`, incremental requests only; a
+/// full-recompute request ignores it): prompt-lookup guesses verified in one pass each
+/// ([`Speculator`]), the same ids, first-step logits and final state. Returns the counters
+/// when it speculated.
+pub fn generate_with(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    req: &GenRequest,
+    start: SeqState,
+    speculate: Option<Speculation>,
+    on_token: &mut OnToken<'_>,
+) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
     let t0 = Instant::now();
     let mut logits = vec![0.0f32; spec.vocab_size];
     let mut state = start.clone();
@@ -94,9 +111,23 @@ pub fn generate_from(
     res.prefill_seconds = t0.elapsed().as_secs_f64();
     res.first_logits = logits.clone();
     res.first_logits_hash = logits_hash(&logits);
+    let mut sp = speculate.filter(|_| req.incremental).map(Speculator::new);
+    let choose = |l: &[f32]| ops::argmax(l) as u32;
+    // Verified guesses still to emit (the logits are already past them).
+    let mut queue = std::collections::VecDeque::new();
+    let every_id = |res: &GenResult| -> Vec<u32> {
+        req.prompt_ids
+            .iter()
+            .chain(&res.generated_ids)
+            .copied()
+            .collect()
+    };
     let mut decode_seconds = 0.0;
     for i in 0..req.n_gen {
-        let next = ops::argmax(&logits) as u32;
+        let (next, guessed) = match queue.pop_front() {
+            Some(d) => (d, true),
+            None => (choose(&logits), false),
+        };
         res.generated_ids.push(next);
         let now = t0.elapsed().as_secs_f64();
         if i == 0 {
@@ -115,22 +146,36 @@ pub fn generate_from(
             break;
         }
         let ts = Instant::now();
-        if req.incremental {
-            exec.step(next, &mut state, w, &mut logits)?;
-        } else {
-            // full recompute: the starting state fed the whole prefix again
-            state = start.clone();
-            let all: Vec<u32> = req
-                .prompt_ids
-                .iter()
-                .chain(res.generated_ids.iter())
-                .copied()
-                .collect();
-            for chunk in all.chunks(PREFILL_CHUNK) {
-                exec.prefill(chunk, &mut state, w, &mut logits)?;
+        match sp.as_mut() {
+            // A verified guess: fed already (or pending in the speculator).
+            Some(_) if guessed => {}
+            Some(sp) => {
+                let room = req.n_gen - (i + 1);
+                let context = every_id(&res);
+                queue.extend(sp.advance(
+                    exec,
+                    &mut state,
+                    w,
+                    next,
+                    &context,
+                    room,
+                    &mut logits,
+                    &choose,
+                )?);
+            }
+            None if req.incremental => exec.step(next, &mut state, w, &mut logits)?,
+            None => {
+                // full recompute: the starting state fed the whole prefix again
+                state = start.clone();
+                for chunk in every_id(&res).chunks(PREFILL_CHUNK) {
+                    exec.prefill(chunk, &mut state, w, &mut logits)?;
+                }
             }
         }
         decode_seconds += ts.elapsed().as_secs_f64();
+    }
+    if let Some(sp) = sp.as_mut() {
+        sp.finish(exec, &mut state, w, &every_id(&res), start.n_pos)?;
     }
     let n_decode = res.generated_ids.len().saturating_sub(1);
     res.seconds_per_token = if n_decode > 0 {
@@ -139,7 +184,7 @@ pub fn generate_from(
         0.0
     };
     res.total_seconds = t0.elapsed().as_secs_f64();
-    Ok((res, state))
+    Ok((res, sp.map(|s| s.stats), state))
 }
 
 /// Called after every batched step with the (sequence, id) pairs chosen; false stops.

@@ -2,11 +2,11 @@
 //! same tokens as plain greedy decoding.
 //!
 //! Owns: the draft source (the tokens that followed the most recent earlier occurrence of the
-//! context's longest suffix n-gram: "prompt lookup", no second model), the verify loop
-//! ([`generate_speculative`]) and its counters. Must not: change a single emitted token or
-//! logit bit relative to [`crate::run::generate`] (every emitted token is the argmax of logits
-//! [`Executor::prefill_each`] computes bit-identically to one-token steps), or know where
-//! weights live.
+//! context's longest suffix n-gram: "prompt lookup", no second model), the verify step
+//! ([`Speculator`], driven by `run::generate_with` and the chat session) and its counters.
+//! Must not: change a single emitted token or logit bit relative to plain greedy decoding
+//! (every emitted token is the argmax of logits [`Executor::prefill_each`] computes
+//! bit-identically to one-token steps), or know where weights live.
 //!
 //! Why: with a streamed trunk the cost of a token is one read of every streamed layer (real
 //! K3 at the laptop preset: ~109 GB per token). One verify pass feeds the pending token and
@@ -17,13 +17,7 @@
 //! pass (no extra trunk read). Gains need text that repeats its context (code, quotes,
 //! edits); on text that does not, the drafter mostly finds nothing and nothing is spent.
 
-use std::time::Instant;
-
-use k3_kernels::ops;
-use k3_models::spec::ModelSpec;
-
 use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState, StateMark};
-use crate::run::{GenRequest, GenResult, OnToken, logits_hash};
 
 /// How to speculate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,88 +198,6 @@ impl Speculator {
         self.pending.clear();
         Ok(())
     }
-}
-
-/// Greedy generation like [`crate::run::generate_from`] (incremental) from `start`,
-/// verifying prompt-lookup guesses: the same ids and first-step logits, in fewer trunk passes
-/// when guesses hold. Returns the result, the counters and the state after the prompt and
-/// every generated id but the last (as `generate_from` does).
-pub fn generate_speculative(
-    spec: &ModelSpec,
-    exec: &mut Executor<'_>,
-    w: &mut Providers<'_>,
-    req: &GenRequest,
-    start: SeqState,
-    opts: Speculation,
-    on_token: &mut OnToken<'_>,
-) -> Result<(GenResult, SpecStats, SeqState), ExecError> {
-    let t0 = Instant::now();
-    let base = start.n_pos;
-    let mut state = start;
-    let mut logits = vec![0.0f32; spec.vocab_size];
-    let mut res = GenResult {
-        prompt_ids: req.prompt_ids.clone(),
-        ..GenResult::default()
-    };
-    for chunk in req.prompt_ids.chunks(PREFILL_CHUNK) {
-        exec.prefill(chunk, &mut state, w, &mut logits)?;
-    }
-    res.prefill_seconds = t0.elapsed().as_secs_f64();
-    res.first_logits = logits.clone();
-    res.first_logits_hash = logits_hash(&logits);
-
-    // Every id from position `base` on: the lookup context.
-    let mut all = req.prompt_ids.clone();
-    let mut sp = Speculator::new(opts);
-    let mut decode_seconds = 0.0;
-    let choose = |l: &[f32]| ops::argmax(l) as u32;
-    // Emit one id: record it, report it; false when generation ends here.
-    let mut emit = |res: &mut GenResult, all: &mut Vec<u32>, id: u32| -> bool {
-        let i = res.generated_ids.len();
-        res.generated_ids.push(id);
-        all.push(id);
-        let now = t0.elapsed().as_secs_f64();
-        if i == 0 {
-            res.first_token_seconds = now;
-        }
-        let keep_going = on_token(i, id, now);
-        if req.stop_ids.contains(&id) {
-            res.stopped_by = Some(format!("stop id {id}"));
-            return false;
-        }
-        if !keep_going {
-            res.stopped_by = Some("interrupted".into());
-            return false;
-        }
-        i + 1 < req.n_gen
-    };
-    if req.n_gen > 0 {
-        'run: loop {
-            let next = choose(&logits);
-            if !emit(&mut res, &mut all, next) {
-                break;
-            }
-            let ts = Instant::now();
-            let room = req.n_gen - res.generated_ids.len();
-            let accepted =
-                sp.advance(exec, &mut state, w, next, &all, room, &mut logits, &choose)?;
-            decode_seconds += ts.elapsed().as_secs_f64();
-            for d in accepted {
-                if !emit(&mut res, &mut all, d) {
-                    break 'run;
-                }
-            }
-        }
-    }
-    sp.finish(exec, &mut state, w, &all, base)?;
-    let n_decode = res.generated_ids.len().saturating_sub(1);
-    res.seconds_per_token = if n_decode > 0 {
-        decode_seconds / n_decode as f64
-    } else {
-        0.0
-    };
-    res.total_seconds = t0.elapsed().as_secs_f64();
-    Ok((res, sp.stats, state))
 }
 
 #[cfg(test)]

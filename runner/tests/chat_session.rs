@@ -5,6 +5,7 @@ mod chat_support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use k3_models::spec::ModelSpec;
 use k3_run::chat::sample::Sampling;
 use k3_run::chat::session::{Event, Session, SessionConfig, Stop};
 use k3_run::checkpoint::Checkpoint;
@@ -13,6 +14,14 @@ use k3_run::plan::Plan;
 use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 use k3_text::chat::{Message, RenderOptions, Thinking};
 use k3_text::tokenizer::Tokenizer;
+
+fn resident<'c>(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Providers<'c> {
+    Providers {
+        trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
+        experts: Box::new(ResidentExperts::new(spec, ckpt)),
+        global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("globals")),
+    }
+}
 
 fn config(n_gen: usize, incremental: bool) -> SessionConfig {
     SessionConfig {
@@ -31,11 +40,7 @@ fn turn_stops_commit_rule_interrupt_and_reuse() {
     let model = chat_support::synth_model(dir.path());
     let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
     let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
-    let mut w = Providers {
-        trunk: Box::new(ResidentTrunk::with_arena(&spec, &ckpt, None).expect("trunk")),
-        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
-        global: Box::new(ResidentGlobal::with_arena(&spec, &ckpt, None).expect("globals")),
-    };
+    let mut w = resident(&spec, &ckpt);
     let mut exec = Executor::new(&spec, Plan::new(&spec, 4096), 1);
     let tok = || Tokenizer::load(&model).expect("tokenizer");
     let never = AtomicBool::new(false);
@@ -140,11 +145,7 @@ fn speculative_turns_equal_plain_turns() {
     let model = chat_support::synth_model(dir.path());
     let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
     let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
-    let mut w = Providers {
-        trunk: Box::new(ResidentTrunk::with_arena(&spec, &ckpt, None).expect("trunk")),
-        experts: Box::new(ResidentExperts::new(&spec, &ckpt)),
-        global: Box::new(ResidentGlobal::with_arena(&spec, &ckpt, None).expect("globals")),
-    };
+    let mut w = resident(&spec, &ckpt);
     let tok = || Tokenizer::load(&model).expect("tokenizer");
     let never = AtomicBool::new(false);
     let users = [

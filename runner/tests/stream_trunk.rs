@@ -38,6 +38,19 @@ fn check_passes(t: &mut dyn TrunkSource, spec: &ModelSpec, ck: &Checkpoint, toke
     }
 }
 
+/// Ask for `layers` in this order and compare every tensor with the checkpoint.
+fn check_layers(t: &mut dyn TrunkSource, ck: &Checkpoint, layers: &[usize]) {
+    for &l in layers {
+        let lw = t.layer(l).expect("layer");
+        for tb in &lw.tensors {
+            assert!(
+                tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"),
+                "layer {l}"
+            );
+        }
+    }
+}
+
 struct Fixture {
     _dir: std::path::PathBuf,
     model: std::path::PathBuf,
@@ -205,15 +218,7 @@ fn shared_ring_reads_ahead_exactly_where_two_layers_fit() {
         assert!(lines.contains("ONE SHARED ring"), "{lines}");
         assert!(lines.contains("shared ring's free end"), "{lines}");
         // Out of the cyclic order: drained and restarted, still the right bytes.
-        for &l in &[5usize, 2, 9, 9, 12, 0, 7, 8] {
-            let lw = t.layer(l).expect("layer");
-            for tb in &lw.tensors {
-                assert!(
-                    tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"),
-                    "layer {l}"
-                );
-            }
-        }
+        check_layers(&mut t, &ck, &[5, 2, 9, 9, 12, 0, 7, 8]);
         assert!(t.out_of_order_requests() > 0);
         check_passes(&mut t, &f.spec, &ck, 1);
         ahead_counts.push(want);
@@ -248,15 +253,7 @@ fn three_slots_and_out_of_order_requests_still_serve_the_right_bytes() {
     let budget = 3 * f.sizes.iter().max().expect("layers");
     let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &opts(budget, 3)).expect("open");
     assert_eq!(t.plan().ring_slots, 3);
-    for &l in &[5usize, 2, 9, 9, 12, 0, 7] {
-        let lw = t.layer(l).expect("layer");
-        for tb in &lw.tensors {
-            assert!(
-                tb.bytes == ck.try_bytes(&tb.decl.name).expect("tensor"),
-                "layer {l}"
-            );
-        }
-    }
+    check_layers(&mut t, &ck, &[5, 2, 9, 9, 12, 0, 7]);
     assert!(t.out_of_order_requests() > 0);
     check_passes(&mut t, &f.spec, &ck, 2);
     assert!(

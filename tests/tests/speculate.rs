@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use k3_conformance::{open_model, repo_root, resident, synth_and_pack, trunk_layer_sizes};
 use k3_run::exec::{Executor, LayerState, Providers, SeqState};
 use k3_run::plan::Plan;
-use k3_run::run::{GenRequest, generate_from};
+use k3_run::run::{GenRequest, generate_from, generate_with};
 use k3_run::session::MemorySettings;
-use k3_run::speculate::{SpecStats, Speculation, generate_speculative};
+use k3_run::speculate::{SpecStats, Speculation};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -132,16 +132,17 @@ fn compare(model: &std::path::Path, settings: &MemorySettings, label: &str) -> S
                     })
                     .expect("plain with a stop id")
                 };
-                let (got, stats, got_state) = generate_speculative(
+                let (got, stats, got_state) = generate_with(
                     &spec,
                     &mut exec,
                     w,
                     &req,
                     start.clone(),
-                    Speculation::with_max_draft(k),
+                    Some(Speculation::with_max_draft(k)),
                     &mut |_, _, _| true,
                 )
                 .expect("speculative");
+                let stats = stats.expect("an incremental request speculates");
                 let what = format!("{label}: prompt {p:?}, K {k}, stop {stop:?}");
                 assert_eq!(got.generated_ids, want.generated_ids, "{what}: ids");
                 assert_eq!(got.first_logits_hash, want.first_logits_hash, "{what}");

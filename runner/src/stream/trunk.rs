@@ -144,6 +144,23 @@ struct Prefetch {
     cursor: usize,
 }
 
+impl Prefetch {
+    /// A reader ring over `slots`; the thread is started on the first streamed read (see
+    /// `StreamedTrunk::start_reader`).
+    fn ring(slots: Slots) -> Ring {
+        let (_tx, done) = mpsc::channel();
+        Ring::Prefetch(Box::new(Prefetch {
+            jobs: None,
+            done,
+            handle: None,
+            current: None,
+            slots,
+            in_flight: VecDeque::new(),
+            cursor: 0,
+        }))
+    }
+}
+
 enum Ring {
     /// Every active layer is pinned.
     None,
@@ -305,41 +322,18 @@ impl StreamedTrunk {
                     ))
                 })?;
                 huge_pages |= ring.huge_pages();
-                let (_tx, done) = mpsc::channel();
-                Ring::Prefetch(Box::new(Prefetch {
-                    jobs: None,
-                    done,
-                    handle: None,
-                    current: None,
-                    slots: Slots::Ends {
-                        ring,
-                        next_at_start: true,
-                    },
-                    in_flight: VecDeque::new(),
-                    cursor: 0,
-                }))
+                Prefetch::ring(Slots::Ends {
+                    ring,
+                    next_at_start: true,
+                })
             }
             1 => Ring::Sync {
                 slot: alloc(slot_len)?,
                 holds: None,
             },
-            n => {
-                let mut free = Vec::with_capacity(n);
-                for _ in 0..n {
-                    free.push(alloc(slot_len)?);
-                }
-                // The thread is started on the first streamed read (see `prefetch_mut`).
-                let (_tx, done) = mpsc::channel();
-                Ring::Prefetch(Box::new(Prefetch {
-                    jobs: None,
-                    done,
-                    handle: None,
-                    current: None,
-                    slots: Slots::Uniform(free),
-                    in_flight: VecDeque::new(),
-                    cursor: 0,
-                }))
-            }
+            n => Prefetch::ring(Slots::Uniform(
+                (0..n).map(|_| alloc(slot_len)).collect::<Result<_, _>>()?,
+            )),
         };
         let stats = TrunkStats {
             n_layers: active,

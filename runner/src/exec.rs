@@ -617,10 +617,12 @@ impl<'s> Executor<'s> {
         self.output_of(&mut carries, tokens.len() - 1, w, logits)
     }
 
-    /// [`Self::prefill`] with the logits after EVERY token: `logits[t]` after `tokens[t]`
-    /// (`logits.len() == tokens.len()`), each bit-identical to the logits [`Self::step`] gives
-    /// when the tokens are fed one by one. One trunk pass for all of them: the verify pass of
-    /// speculative decoding (`run::generate_with`, `speculate::Speculator`).
+    /// [`Self::prefill`] with the logits after each of the LAST `logits.len()` tokens:
+    /// `logits[i]` after `tokens[tokens.len() - logits.len() + i]`, each bit-identical to the
+    /// logits [`Self::step`] gives when the tokens are fed one by one. One trunk pass for all
+    /// of them: the verify pass of speculative decoding (`run::generate_with`,
+    /// `speculate::Speculator`), which needs the logits from its pending token on only (the
+    /// lm_head is not run for the others: with `--ultra-low-memory` it is read from disk).
     pub fn prefill_each(
         &mut self,
         tokens: &[u32],
@@ -628,16 +630,16 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [Vec<f32>],
     ) -> Result<(), ExecError> {
-        assert_eq!(
-            tokens.len(),
-            logits.len(),
-            "prefill_each: one logits buffer per token"
+        assert!(
+            logits.len() <= tokens.len(),
+            "prefill_each: at most one logits buffer per token"
         );
         let Some(mut carries) = self.feed(tokens, state, w)? else {
             return Ok(());
         };
-        for (t, lg) in logits.iter_mut().enumerate() {
-            self.output_of(&mut carries, t, w, lg)?;
+        let first = tokens.len() - logits.len();
+        for (i, lg) in logits.iter_mut().enumerate() {
+            self.output_of(&mut carries, first + i, w, lg)?;
         }
         Ok(())
     }

@@ -139,21 +139,21 @@ impl Speculator {
         let k = self.k_cur.min(room.saturating_sub(1)).min(ctx_room);
         let drafts = lookup_draft(context, k, self.opts.min_ngram, self.opts.max_ngram);
         let fed: Vec<u32> = self.pending.iter().chain(&drafts).copied().collect();
+        // Logits from the last pending id on: pass_logits[j] predicts drafts[j].
+        let n_out = drafts.len() + 1;
         let vocab = logits.len();
-        self.pass_logits
-            .resize_with(fed.len(), || vec![0.0f32; vocab]);
+        self.pass_logits.resize_with(n_out, || vec![0.0f32; vocab]);
         let m0 = state.mark();
-        exec.prefill_each(&fed, state, w, &mut self.pass_logits[..fed.len()])?;
-        let p = self.pending.len();
+        exec.prefill_each(&fed, state, w, &mut self.pass_logits[..n_out])?;
         let accepted = drafts
             .iter()
             .enumerate()
-            .take_while(|&(j, &d)| choose(&self.pass_logits[p - 1 + j]) == d)
+            .take_while(|&(j, &d)| choose(&self.pass_logits[j]) == d)
             .count();
         self.stats.passes += 1;
         self.stats.drafted += drafts.len();
         self.stats.accepted += accepted;
-        std::mem::swap(logits, &mut self.pass_logits[p - 1 + accepted]);
+        std::mem::swap(logits, &mut self.pass_logits[accepted]);
         if accepted == drafts.len() {
             self.pending.clear();
         } else {

@@ -76,6 +76,18 @@ fn prefill_each_matches_steps_and_rewind_undoes_a_detour() {
         );
     }
     assert!(state_bits(&st2) == after_all, "state after prefill_each");
+    // The logits of the last two tokens only: the same bits, the same state.
+    let mut st3 = SeqState::new(&spec);
+    exec.prefill(&prompt, &mut st3, &mut w, &mut lg)
+        .expect("prefill");
+    let mut last2 = vec![vec![0.0f32; v]; 2];
+    exec.prefill_each(&more, &mut st3, &mut w, &mut last2)
+        .expect("prefill_each, last two");
+    assert!(bits(&last2[0]) == stepwise[2] && bits(&last2[1]) == stepwise[3]);
+    assert!(
+        state_bits(&st3) == after_all,
+        "state after prefill_each (last two)"
+    );
     // Rewind to before the pass: exactly the state after the prompt; feeding again gives the
     // same bits as the first time.
     st2.rewind(&mark);

@@ -287,3 +287,46 @@ fn serve_refuses_prompt_flags_and_a_busy_address() {
         "{err}"
     );
 }
+
+#[test]
+fn speculating_server_gives_the_same_greedy_replies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    let plain = start(&model, &["--incremental", "--gen", "40"]);
+    let spec = start(
+        &model,
+        &["--incremental", "--gen", "40", "--speculate", "4"],
+    );
+    let mut guesses = 0;
+    // Two conversations; the second resends the first reply, so its context repeats text.
+    let m1 = json!([{"role": "user", "content": "abc abc abc abc"}]);
+    let (st, a1) = post(plain.port, &json!({"messages": m1}));
+    assert_eq!(st, 200, "{a1}");
+    let mut m2 = m1.as_array().unwrap().clone();
+    m2.push(json!({"role": "assistant", "content": reply(&a1).0}));
+    m2.push(json!({"role": "user", "content": "again: abc abc"}));
+    for messages in [m1, json!(m2)] {
+        let body = json!({"messages": messages});
+        let (st, a) = post(plain.port, &body);
+        assert_eq!(st, 200, "{a}");
+        let (st, b) = post(spec.port, &body);
+        assert_eq!(st, 200, "{b}");
+        assert_eq!(reply(&a), reply(&b));
+        assert_eq!(a["usage"], b["usage"]);
+        assert_eq!(
+            a["choices"][0]["finish_reason"],
+            b["choices"][0]["finish_reason"]
+        );
+        assert!(a["k3"]["speculation"].is_null(), "{a}");
+        let s = &b["k3"]["speculation"];
+        assert!(s["passes"].as_u64().is_some(), "{b}");
+        guesses += s["drafted"].as_u64().unwrap();
+    }
+    // A sampled request decodes one id per pass.
+    let sampled = json!({"messages": [{"role": "user", "content": "hi"}],
+        "temperature": 1.2, "seed": 3});
+    let (st, c) = post(spec.port, &sampled);
+    assert_eq!(st, 200, "{c}");
+    assert!(c["k3"]["speculation"].is_null(), "{c}");
+    println!("guesses made: {guesses}");
+}

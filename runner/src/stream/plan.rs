@@ -85,9 +85,9 @@ pub struct TrunkPlan {
     pub requested_ring: usize,
     /// When two slots do not fit but the budget beyond the pinned prefix holds some streamed
     /// layer beside the one before it: one SHARED ring of this many bytes (a multiple of
-    /// 4096, at least `ring_slot_bytes`) replaces the single slot, and a reader thread reads
-    /// each layer that fits into one end while the previous layer computes at the other.
-    /// 0 otherwise.
+    /// 4096: the largest streamed layer or the widest neighbour pair that fits, whichever is
+    /// larger) replaces the single slot, and a reader thread reads each layer that fits into
+    /// one end while the previous layer computes at the other. 0 otherwise.
     pub shared_ring_bytes: u64,
     /// Streamed layers read ahead (while the streamed layer before them computes, or while
     /// the pinned prefix computes); with uniform slots (>= 2), every streamed layer.
@@ -181,11 +181,11 @@ impl TrunkPlan {
 /// requested count cannot fit, fewer are used, down to one; if not even one slot fits, the
 /// error names the numbers.
 ///
-/// One slot with two or more requested: the slot is widened to the whole budget left after
-/// the pinned prefix (a shared ring) when that lets at least one streamed layer be read while
-/// another computes. Real K3 at the laptop budget is the case: layer 0 (2.34 GB, the dense
-/// MLP) is twice any other layer, so two uniform slots need 4.7 GB, but 3.0 GB holds any two
-/// of layers 1..92 side by side.
+/// One slot with two or more requested: the slot becomes a shared ring (up to the budget left
+/// after the pinned prefix, no larger than the widest neighbour pair that fits) when that lets
+/// at least one streamed layer be read while another computes. Real K3 at the laptop budget is
+/// the case: layer 0 (2.34 GB, the dense MLP) is twice any other layer, so two uniform slots
+/// need 4.7 GB, but its one slot holds any two of layers 1..92 side by side.
 pub fn plan_trunk(
     layer_bytes: &[u64],
     budget: u64,
@@ -259,24 +259,31 @@ pub fn plan_trunk(
     })
 }
 
-/// The shared ring for the streamed layers `streamed` (4096-rounded sizes, in order) in
-/// `room` bytes: `(ring bytes, layers read ahead)`, or `(0, 0)` when no layer could be read
-/// ahead (then the one slot reads synchronously). A streamed layer is read ahead when it fits
-/// beside the streamed layer before it in the cyclic order (the ring's two ends hold at most
-/// those two); the first one also when a pinned prefix computes before it. One streamed layer
-/// is never re-read (the single slot keeps it), so it gets no ring.
+/// The shared ring for the streamed layers `streamed` (4096-rounded sizes, in order) in at
+/// most `room` bytes: `(ring bytes, layers read ahead)`, or `(0, 0)` when no layer could be
+/// read ahead (then the one slot reads synchronously). A streamed layer is read ahead when it
+/// fits beside the streamed layer before it in the cyclic order (the ring's two ends hold at
+/// most those two); the first one also when a pinned prefix computes before it. The ring is
+/// no larger than that needs: the largest layer, or the largest neighbour pair that fits in
+/// `room` (real K3 at the laptop preset: two 1.16 GB layers fit in layer 0's 2.34 GB, so
+/// the ring costs nothing over the single slot). One streamed layer is never re-read (the
+/// single slot keeps it), so it gets no ring.
 fn shared_ring(streamed: &[u64], after_pinned: bool, room: u64) -> (u64, usize) {
-    let ring = align_down(room, IO_ALIGN as u64);
-    if streamed.len() < 2 {
+    let room = align_down(room, IO_ALIGN as u64);
+    let n = streamed.len();
+    if n < 2 {
         return (0, 0);
     }
-    let ahead = (0..streamed.len())
-        .filter(|&i| {
-            let prev = streamed[(i + streamed.len() - 1) % streamed.len()];
-            (i == 0 && after_pinned) || prev.saturating_add(streamed[i]) <= ring
-        })
+    let pair = |i: usize| streamed[(i + n - 1) % n].saturating_add(streamed[i]);
+    let ahead = (0..n)
+        .filter(|&i| (i == 0 && after_pinned) || pair(i) <= room)
         .count();
-    if ahead == 0 { (0, 0) } else { (ring, ahead) }
+    if ahead == 0 {
+        return (0, 0);
+    }
+    let largest = streamed.iter().copied().max().unwrap_or(0);
+    let widest_pair = (0..n).map(pair).filter(|&p| p <= room).max().unwrap_or(0);
+    (largest.max(widest_pair), ahead)
 }
 
 /// Memory for the KV cache (MLA layers) and recurrent state (KDA layers) of one request.
@@ -585,15 +592,22 @@ mod tests {
             (0, 1, 4 * K)
         );
         assert!(p.ring_reduced());
-        // ...widened to a shared ring of the whole 5K: layers 2 and 3 fit beside the layer
-        // before them (2K + 2K), layers 0 and 1 do not (2K + 4K, 4K + 2K).
-        assert_eq!((p.shared_ring_bytes, p.read_ahead_layers), (5 * K, 2));
+        // ...widened to a shared ring: layers 2 and 3 fit beside the layer before them (2K +
+        // 2K), layers 0 and 1 do not (2K + 4K, 4K + 2K). 4K (the largest layer) holds the
+        // widest pair that fits, so the ring costs nothing over the single slot.
+        assert_eq!((p.shared_ring_bytes, p.read_ahead_layers), (4 * K, 2));
         assert!(p.prefetch());
+        assert_eq!(p.planned_bytes(), 4 * K);
+        // Layers 4K, 3K, 1K, 1K in 6K: neighbour pairs 1K+4K, 4K+3K, 3K+1K, 1K+1K; all but
+        // 4K + 3K fit, the widest is 5K: a 5K ring (not the whole 6K), 3 layers read ahead.
+        let p = plan_trunk(&[4 * K, 3 * K, K, K], 6 * K, 2).expect("plan");
+        assert_eq!((p.pinned_layers, p.ring_slots), (0, 1));
+        assert_eq!((p.shared_ring_bytes, p.read_ahead_layers), (5 * K, 3));
         assert_eq!(p.planned_bytes(), 5 * K);
         let lines = p.report_lines().join("\n");
         assert!(lines.contains("ONE SHARED ring"), "{lines}");
         assert!(
-            lines.contains("2 of 4 streamed layers read ahead"),
+            lines.contains("3 of 4 streamed layers read ahead, 1 synchronously"),
             "{lines}"
         );
         assert!(lines.contains("deterministic hit rate 0.0%"), "{lines}");
@@ -617,15 +631,17 @@ mod tests {
     fn real_k3_laptop_budget_gets_a_shared_ring() {
         // SYSTEM.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
         // layers ~1.157 GB each. The laptop preset's 3.00 GB cannot pin layer 0 next to a slot
-        // or hold two 2.34 GB slots: one slot of layer 0's size. The shared ring of 3.00 GB
-        // holds any two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0)
-        // are read synchronously.
+        // or hold two 2.34 GB slots: one slot of layer 0's size. As a shared ring it holds any
+        // two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0) are read
+        // synchronously.
         let mut sizes = vec![2_341_000_000u64];
         sizes.extend(std::iter::repeat_n(1_157_000_000u64, 92));
         let p = plan_trunk(&sizes, 3_000_000_000, 2).expect("plan");
         assert_eq!((p.pinned_layers, p.ring_slots), (0, 1));
         assert_eq!(p.ring_slot_bytes, align_up(2_341_000_000, K));
-        assert_eq!(p.shared_ring_bytes, align_down(3_000_000_000, K));
+        // Two 1.157 GB layers fit in layer 0's slot: the ring is that slot, no larger.
+        assert_eq!(p.shared_ring_bytes, p.ring_slot_bytes);
+        assert_eq!(p.planned_bytes(), p.ring_slot_bytes);
         assert_eq!(p.read_ahead_layers, 91);
         // Desktop (16 GB) keeps two uniform slots and pins a prefix.
         let p = plan_trunk(&sizes, 16_000_000_000, 2).expect("plan");

@@ -173,6 +173,20 @@ pub struct PlanCli {
     /// Print the plan as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also plan this packed trunk (pack-trunk's output) at `--trunk-gb` or a preset's trunk
+    /// budget: pinned layers, ring slots or shared ring, layers read ahead. Nothing is read
+    /// but trunk.json.
+    #[arg(long)]
+    pub trunk: Option<PathBuf>,
+    /// Trunk budget in GB for `--trunk` (fractions allowed; wins over `--preset`).
+    #[arg(long, requires = "trunk")]
+    pub trunk_gb: Option<f64>,
+    /// A preset whose trunk budget to plan `--trunk` at.
+    #[arg(long, requires = "trunk")]
+    pub preset: Option<String>,
+    /// Ring slots asked for (default 2; the budget wins).
+    #[arg(long, requires = "trunk", default_value_t = 2)]
+    pub trunk_ring: usize,
 }
 
 #[derive(Args, Debug, Default, Clone)]
@@ -1172,13 +1186,53 @@ fn sim_main(p: &SimCli) -> Result<u8, Failure> {
 fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), p.config.as_deref())?;
     let plan = Plan::new(&spec, p.positions);
+    let trunk_plan = match &p.trunk {
+        Some(dir) => Some(plan_packed_trunk(p, dir, &spec)?),
+        None => None,
+    };
     if p.json {
-        let s = serde_json::to_string_pretty(&plan).map_err(|e| Failure::usage(e.to_string()))?;
+        let mut v = serde_json::to_value(&plan).map_err(|e| Failure::usage(e.to_string()))?;
+        if let Some(t) = &trunk_plan {
+            v["trunk_plan"] = serde_json::to_value(t).map_err(|e| Failure::usage(e.to_string()))?;
+        }
+        let s = serde_json::to_string_pretty(&v).map_err(|e| Failure::usage(e.to_string()))?;
         println!("{s}");
     } else {
         print!("{plan}");
+        if let Some(t) = &trunk_plan {
+            for l in t.report_lines() {
+                println!("{l}");
+            }
+        }
     }
     Ok(exit::OK)
+}
+
+/// `plan --trunk DIR`: the trunk memory plan at `--trunk-gb` (or the preset's budget).
+fn plan_packed_trunk(
+    p: &PlanCli,
+    dir: &Path,
+    spec: &ModelSpec,
+) -> Result<crate::stream::plan::TrunkPlan, Failure> {
+    let gb = match (p.trunk_gb, &p.preset) {
+        (Some(g), _) => g,
+        (None, Some(name)) => {
+            crate::stream::presets::load_preset(name)
+                .map_err(|e| Failure::usage(e.to_string()))?
+                .trunk_gb
+        }
+        (None, None) => {
+            return Err(Failure::usage(
+                "plan --trunk needs a budget: --trunk-gb GB or --preset NAME",
+            ));
+        }
+    };
+    let budget =
+        crate::stream::gb_to_bytes(gb, "--trunk-gb").map_err(|e| Failure::usage(e.to_string()))?;
+    let m = crate::stream::pack::TrunkManifest::load(dir, spec)
+        .map_err(|e| Failure::usage(e.to_string()))?;
+    crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
+        .map_err(|e| Failure::usage(e.to_string()))
 }
 
 /// Entry point used by `main`.

@@ -669,3 +669,50 @@ fn speculate_keeps_the_reference_ids_and_reports_its_passes() {
         &["--speculate"],
     );
 }
+
+#[test]
+fn plan_with_a_packed_trunk_prints_its_memory_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trunk = tmp.path().join("trunk");
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let o = k3(&["pack-trunk", a, trunk.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
+    let sizes: Vec<u64> = m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
+        .collect();
+    let (largest, smallest) = (*sizes.iter().max().unwrap(), *sizes.iter().min().unwrap());
+    // Between one slot and two: a shared ring (the largest layer beside the smallest fits).
+    let gb = format!("{:.9}", (largest + smallest) as f64 / 1e9);
+    let t = trunk.to_str().unwrap();
+    let o = k3(&["plan", a, "--trunk", t, "--trunk-gb", &gb]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("ONE SHARED ring"), "{out}");
+    assert!(out.contains("deterministic hit rate"), "{out}");
+    let o = k3(&["plan", a, "--trunk", t, "--trunk-gb", &gb, "--json"]);
+    let j: Value = serde_json::from_str(&stdout(&o)).expect("plan --json");
+    let tp = &j["trunk_plan"];
+    assert_eq!(tp["ring_slots"], 1, "{tp}");
+    assert!(tp["shared_ring_bytes"].as_u64().unwrap() >= largest, "{tp}");
+    assert!(tp["read_ahead_layers"].as_u64().unwrap() >= 1, "{tp}");
+    assert_eq!(tp["n_layers"].as_u64().unwrap() as usize, sizes.len());
+    // A preset's budget pins this small trunk whole; no budget, or too small a one, exits 2.
+    let o = k3(&["plan", a, "--trunk", t, "--preset", "laptop"]);
+    assert!(stdout(&o).contains("layers PINNED"), "{}", stdout(&o));
+    expect_fail(
+        &k3(&["plan", a, "--trunk", t]),
+        2,
+        &["--trunk-gb", "--preset"],
+    );
+    expect_fail(
+        &k3(&["plan", a, "--trunk", t, "--trunk-gb", "0.0001"]),
+        2,
+        &["cannot fit even one ring slot"],
+    );
+}

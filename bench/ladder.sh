@@ -23,17 +23,10 @@
 # under GNU time (disk bytes read, CPU seconds). bench/report.py turns the results into
 # ladder.md (and summary.json).
 source "$(dirname "$0")/lib.sh"
-k3b_need_bin
-k3b_need_root "bench/ladder.sh"
-command -v jq > /dev/null || k3b_die "needs jq"
-
-MODEL="${K3B_MODEL:-$K3B_WORK/k3-mini}"
-TRUNK="${K3B_TRUNK:-$K3B_WORK/k3-mini-trunk}"
+k3b_k3mini_setup "bench/ladder.sh"
 IDS="${K3B_IDS:-1,2,3,4}"
 GEN="${K3B_GEN:-8}"
 REPS="${K3B_REPS:-3}"
-[ -f "$MODEL/config.json" ] || k3b_die "no model at $MODEL (k3-run synth --spec configs/synth/k3-mini.toml --seed 7 --out $MODEL)"
-[ -f "$TRUNK/trunk.json" ] || k3b_die "no packed trunk at $TRUNK (k3-run pack-trunk $MODEL $TRUNK)"
 out="$(k3b_outdir ladder)"
 k3b_log "results in $out"
 

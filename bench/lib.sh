@@ -25,6 +25,18 @@ K3B_WORK="${K3B_WORK:-/work/bench}"
 k3b_die() { echo "bench: error: $*" >&2; exit 2; }
 k3b_log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
+# The common start of a k3-mini benchmark run as root: the binary, root, jq, and MODEL / TRUNK
+# (K3B_MODEL [$K3B_WORK/k3-mini], K3B_TRUNK [$K3B_WORK/k3-mini-trunk]) checked to exist.
+k3b_k3mini_setup() { # script name
+    k3b_need_bin
+    k3b_need_root "$1"
+    command -v jq > /dev/null || k3b_die "needs jq"
+    MODEL="${K3B_MODEL:-$K3B_WORK/k3-mini}"
+    TRUNK="${K3B_TRUNK:-$K3B_WORK/k3-mini-trunk}"
+    [ -f "$MODEL/config.json" ] || k3b_die "no model at $MODEL (k3-run synth --spec configs/synth/k3-mini.toml --seed 7 --out $MODEL)"
+    [ -f "$TRUNK/trunk.json" ] || k3b_die "no packed trunk at $TRUNK (k3-run pack-trunk $MODEL $TRUNK)"
+}
+
 k3b_need_bin() {
     [ -x "$K3B_BIN" ] || k3b_die "no k3-run binary at $K3B_BIN (cargo build --release -p k3-run, or set K3B_BIN)"
 }

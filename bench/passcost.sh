@@ -11,14 +11,9 @@
 # --incremental --trunk TRUNK FLAGS`: its prefill_seconds is one pass over n tokens (the first
 # pass of the run), its seconds_per_token one single-token step. Prints "round n pass step".
 source "$(dirname "$0")/lib.sh"
-k3b_need_bin
-k3b_need_root "bench/passcost.sh"
-command -v jq > /dev/null || k3b_die "needs jq"
-MODEL="${K3B_MODEL:-$K3B_WORK/k3-mini}"
-TRUNK="${K3B_TRUNK:-$K3B_WORK/k3-mini-trunk}"
+k3b_k3mini_setup "bench/passcost.sh"
 REPS="${K3B_REPS:-3}"
 read -r -a FLAGS <<< "${K3B_FLAGS:---trunk-gb 0.1 --cache-gb 0.0017}"
-[ -f "$TRUNK/trunk.json" ] || k3b_die "no packed trunk at $TRUNK (k3-run pack-trunk $MODEL $TRUNK)"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 echo "round n pass_s step_s"

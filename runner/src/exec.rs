@@ -644,8 +644,26 @@ impl<'s> Executor<'s> {
         Ok(())
     }
 
-    /// [`Self::output`] for token `k` of a layer-major call: its residual carry (token 0's is
-    /// the scratch itself, token k's `carries[k - 1]`) swapped into the scratch and back.
+    /// Run `f` on token `k` of a layer-major call: its residual carry (token 0's is the
+    /// scratch itself, token k's `carries[k - 1]`) swapped into the scratch and back, whatever
+    /// `f` returns.
+    fn with_carry<T>(
+        &mut self,
+        carries: &mut [Carry],
+        k: usize,
+        f: impl FnOnce(&mut Self) -> Result<T, ExecError>,
+    ) -> Result<T, ExecError> {
+        if k > 0 {
+            carries[k - 1].swap_with(&mut self.s);
+        }
+        let r = f(self);
+        if k > 0 {
+            carries[k - 1].swap_with(&mut self.s);
+        }
+        r
+    }
+
+    /// [`Self::output`] for token `k` of a layer-major call (see [`Self::with_carry`]).
     fn output_of(
         &mut self,
         carries: &mut [Carry],
@@ -653,14 +671,7 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [f32],
     ) -> Result<(), ExecError> {
-        if k > 0 {
-            carries[k - 1].swap_with(&mut self.s);
-        }
-        let r = self.output(w, logits);
-        if k > 0 {
-            carries[k - 1].swap_with(&mut self.s);
-        }
-        r
+        self.with_carry(carries, k, |ex| ex.output(w, logits))
     }
 
     /// The layers of [`Self::prefill`]: `tokens` through every layer (layer-major), the state
@@ -707,21 +718,11 @@ impl<'s> Executor<'s> {
             };
             let ahead = next_moe.zip(next_lw.as_ref());
             for t in 0..tokens.len() {
-                if t > 0 {
-                    carries[t - 1].swap_with(&mut self.s);
-                }
-                let r = self.layer(
-                    l,
-                    &lw,
-                    ahead,
-                    &mut state.layers[l],
-                    state.n_pos + t,
-                    w.experts.as_mut(),
-                );
-                if t > 0 {
-                    carries[t - 1].swap_with(&mut self.s);
-                }
-                r?;
+                let st = &mut state.layers[l];
+                let experts = w.experts.as_mut();
+                self.with_carry(&mut carries, t, |ex| {
+                    ex.layer(l, &lw, ahead, st, state.n_pos + t, experts)
+                })?;
             }
         }
         state.n_pos += tokens.len();
@@ -804,21 +805,11 @@ impl<'s> Executor<'s> {
             let mut k = 0;
             for (st, p) in states.iter_mut().zip(parts) {
                 for t in 0..p.len() {
-                    if k > 0 {
-                        carries[k - 1].swap_with(&mut self.s);
-                    }
-                    let r = self.layer(
-                        l,
-                        &lw,
-                        None,
-                        &mut st.layers[l],
-                        st.n_pos + t,
-                        w.experts.as_mut(),
-                    );
-                    if k > 0 {
-                        carries[k - 1].swap_with(&mut self.s);
-                    }
-                    r?;
+                    let (layer, pos) = (&mut st.layers[l], st.n_pos + t);
+                    let experts = w.experts.as_mut();
+                    self.with_carry(&mut carries, k, |ex| {
+                        ex.layer(l, &lw, None, layer, pos, experts)
+                    })?;
                     k += 1;
                 }
             }

@@ -15,6 +15,16 @@ use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 use k3_text::chat::{Message, RenderOptions, Thinking};
 use k3_text::tokenizer::Tokenizer;
 
+/// The synthetic chat model in a fresh temporary directory (kept alive by the first value):
+/// its path, spec and open checkpoint.
+fn synth_chat_model() -> (tempfile::TempDir, std::path::PathBuf, ModelSpec, Checkpoint) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = chat_support::synth_model(dir.path());
+    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
+    let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
+    (dir, model, spec, ckpt)
+}
+
 fn resident<'c>(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Providers<'c> {
     Providers {
         trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
@@ -36,10 +46,7 @@ fn config(n_gen: usize, incremental: bool) -> SessionConfig {
 
 #[test]
 fn turn_stops_commit_rule_interrupt_and_reuse() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = chat_support::synth_model(dir.path());
-    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
-    let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
+    let (_dir, model, spec, ckpt) = synth_chat_model();
     let mut w = resident(&spec, &ckpt);
     let mut exec = Executor::new(&spec, Plan::new(&spec, 4096), 1);
     let tok = || Tokenizer::load(&model).expect("tokenizer");
@@ -141,10 +148,7 @@ const MAX_CTX: usize = 1755;
 /// with the context filling up in the last turn.
 #[test]
 fn speculative_turns_equal_plain_turns() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = chat_support::synth_model(dir.path());
-    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
-    let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
+    let (_dir, model, spec, ckpt) = synth_chat_model();
     let mut w = resident(&spec, &ckpt);
     let tok = || Tokenizer::load(&model).expect("tokenizer");
     let never = AtomicBool::new(false);

@@ -90,6 +90,26 @@ pub fn gen_limit(run: &RunArgs, given: bool) -> Result<usize, Failure> {
     Ok(n)
 }
 
+/// The session settings `--chat` and `--serve` share: the flags' `--incremental`, stop ids
+/// ([`stop_ids`]) and `--speculate`, with the given thinking, turn length and sampling.
+pub(crate) fn session_config(
+    spec: &ModelSpec,
+    tok: &Tokenizer,
+    run: &RunArgs,
+    thinking: Thinking,
+    n_gen: usize,
+    sampling: Sampling,
+) -> Result<SessionConfig, Failure> {
+    Ok(SessionConfig {
+        thinking,
+        n_gen,
+        incremental: run.incremental,
+        sampling,
+        extra_stop_ids: stop_ids(spec, tok, run),
+        speculate: crate::speculate::from_flag(run.speculate).map_err(usage)?,
+    })
+}
+
 /// Stops besides `<|end_of_msg|>` for `--chat` and `--serve`: the config's eos ids, the
 /// tokenizer-level `[EOS]` (real K3 emits 163585 as well as 163586, SYSTEM.md §6) and
 /// `--stop-id`.
@@ -372,7 +392,7 @@ pub fn main(
         sampling,
         n_gen,
     } = prepare(run)?;
-    let extra_stop_ids = stop_ids(spec, &tok, run);
+    let cfg = session_config(spec, &tok, run, thinking, n_gen, sampling)?;
 
     let (hist, messages) = match &c.history {
         Some(p) => {
@@ -387,14 +407,6 @@ pub fn main(
                 .into_iter()
                 .collect(),
         ),
-    };
-    let cfg = SessionConfig {
-        thinking,
-        n_gen,
-        incremental: run.incremental,
-        sampling,
-        extra_stop_ids,
-        speculate: crate::speculate::from_flag(run.speculate).map_err(usage)?,
     };
     let mut session = Session::new(spec, tok, cfg, messages).map_err(usage)?;
     let max = exec.plan().max_positions;

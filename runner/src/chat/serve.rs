@@ -30,9 +30,11 @@ use k3_text::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::repl::{fresh_seed, gen_given_on_command_line, gen_limit, stop_ids, tokenizer_dir};
+use super::repl::{
+    fresh_seed, gen_given_on_command_line, gen_limit, session_config, tokenizer_dir,
+};
 use super::sample::Sampling;
-use super::session::{Event, Session, SessionConfig, SessionError, Stop};
+use super::session::{Event, Session, SessionError, Stop};
 use crate::cli::{Failure, RunArgs, exit};
 use crate::exec::{ExecError, Executor, Providers};
 
@@ -224,15 +226,8 @@ pub fn main(
         n_gen,
     } = prepare(run)?;
     let addr = run.chat.serve.as_deref().unwrap_or("127.0.0.1:8080");
-    let extra_stop_ids = stop_ids(spec, &tok, run);
-    let cfg = SessionConfig {
-        thinking,
-        n_gen,
-        incremental: run.incremental,
-        sampling: Sampling::Greedy,
-        extra_stop_ids,
-        speculate: crate::speculate::from_flag(run.speculate).map_err(usage)?,
-    };
+    // Each request sets its own sampling (`Session::set_turn_settings`).
+    let cfg = session_config(spec, &tok, run, thinking, n_gen, Sampling::Greedy)?;
     let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
     let server = tiny_http::Server::http(addr)
         .map_err(|e| Failure::usage(format!("--serve {addr}: cannot listen: {e}")))?;

@@ -132,6 +132,31 @@ impl SeqState {
         SeqState { layers, n_pos: 0 }
     }
 
+    /// Whether `other` holds the same positions and the same state, bit for bit.
+    pub fn same_bits(&self, other: &SeqState) -> bool {
+        let eq = |a: &[f32], b: &[f32]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        self.n_pos == other.n_pos
+            && self.layers.len() == other.layers.len()
+            && self
+                .layers
+                .iter()
+                .zip(&other.layers)
+                .all(|(a, b)| match (a, b) {
+                    (LayerState::Kda(a), LayerState::Kda(b)) => {
+                        eq(&a.conv_q, &b.conv_q)
+                            && eq(&a.conv_k, &b.conv_k)
+                            && eq(&a.conv_v, &b.conv_v)
+                            && eq(&a.s, &b.s)
+                    }
+                    (LayerState::Mla(a), LayerState::Mla(b)) => {
+                        eq(&a.k_nope, &b.k_nope) && eq(&a.k_rope, &b.k_rope) && eq(&a.v, &b.v)
+                    }
+                    _ => false,
+                })
+    }
+
     /// A mark to [`Self::rewind`] to: the KDA layers' conv windows and recurrent state (fixed
     /// size, copied) and every MLA cache's length (append-only, so a length is enough).
     pub fn mark(&self) -> StateMark {

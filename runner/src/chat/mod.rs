@@ -9,6 +9,7 @@
 //! Must not: model math (it drives [`crate::exec::Executor`]), XTML or tokenizer rules
 //! (k3-text owns them), or serialise model state (a restart re-prefills the history).
 
+pub mod batch;
 pub mod render;
 pub mod repl;
 pub mod sample;

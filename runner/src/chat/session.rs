@@ -145,6 +145,138 @@ pub fn load_transcript(path: &Path, system: Option<&str>) -> Result<Vec<Message>
     Ok(history::with_system(messages, system, path)?)
 }
 
+/// The `<|end_of_msg|>` id, after checking that the tokenizer has every chat control token
+/// and the model can embed it.
+pub fn end_of_msg_id(spec: &ModelSpec, tok: &Tokenizer) -> Result<u32, SessionError> {
+    let mut eom = 0;
+    for name in [
+        chat::OPEN_TOKEN,
+        chat::CLOSE_TOKEN,
+        chat::SEP_TOKEN,
+        chat::END_OF_MSG_TOKEN,
+    ] {
+        let id = tok
+            .id_of(name)
+            .ok_or_else(|| k3_text::ChatError::MissingControlToken {
+                name: name.to_string(),
+            })?;
+        if id as usize >= spec.vocab_size {
+            return Err(SessionError::TokenOutsideModel {
+                id,
+                what: format!("chat control token {name}"),
+                vocab: spec.vocab_size,
+            });
+        }
+        if name == chat::END_OF_MSG_TOKEN {
+            eom = id;
+        }
+    }
+    Ok(eom)
+}
+
+/// The ids of `messages` rendered with `opts` (plus the generation prompt when
+/// `generation_prompt`), checked against the model's vocabulary.
+pub fn prompt_ids(
+    spec: &ModelSpec,
+    tok: &Tokenizer,
+    opts: &RenderOptions,
+    messages: &[Message],
+    generation_prompt: bool,
+) -> Result<Vec<u32>, SessionError> {
+    let opts = RenderOptions {
+        add_generation_prompt: generation_prompt,
+        ..opts.clone()
+    };
+    let ids = chat::render_prompt(messages, &opts)?.render_ids(tok)?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= spec.vocab_size) {
+        return Err(SessionError::TokenOutsideModel {
+            id,
+            what: format!("{:?}", tok.decode_lossy(&[id]).unwrap_or_default()),
+            vocab: spec.vocab_size,
+        });
+    }
+    Ok(ids)
+}
+
+/// The id side of one assistant turn, shared by [`Session::turn`] and the batched server
+/// (`super::batch`): the sampler of the turn's stream, the reply parser (channel text as it
+/// completes) and the stop rules of the module docs, one generated id at a time. Feeding the
+/// model is the caller's.
+#[derive(Debug)]
+pub struct TurnDecoder {
+    parser: ReplyParser,
+    sampler: Sampler,
+    n_allowed: usize,
+    n_gen: usize,
+    extra_stop_ids: Vec<u32>,
+    eom: u32,
+    /// Generated ids, including the stop token if one ended the turn.
+    pub generated: Vec<u32>,
+}
+
+impl TurnDecoder {
+    /// The decoder of assistant turn `turn_index` (its sampling stream) generating at most
+    /// `n_gen` ids among the first `n_allowed`; thinking as `cfg.thinking`.
+    pub fn new(
+        tok: &Tokenizer,
+        cfg: &SessionConfig,
+        turn_index: u64,
+        n_allowed: usize,
+        eom: u32,
+    ) -> Result<TurnDecoder, SessionError> {
+        let thinking = matches!(cfg.thinking, Thinking::On { .. });
+        Ok(TurnDecoder {
+            parser: ReplyParser::new(tok, thinking)?,
+            sampler: Sampler::for_turn(cfg.sampling, turn_index),
+            n_allowed,
+            n_gen: cfg.n_gen,
+            extra_stop_ids: cfg.extra_stop_ids.clone(),
+            eom,
+            generated: Vec::new(),
+        })
+    }
+
+    /// The next id drawn from `logits` (the logits after the last fed id).
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.sampler.sample(&logits[..self.n_allowed])
+    }
+
+    /// Take `next` as generated: its text goes to `on_event`; returns the stop when `next`
+    /// ends the turn (a stop id, or the end of the message).
+    pub fn accept(
+        &mut self,
+        tok: &Tokenizer,
+        next: u32,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Option<Stop>, SessionError> {
+        self.generated.push(next);
+        if next != self.eom && self.extra_stop_ids.contains(&next) {
+            return Ok(Some(Stop::StopId(next)));
+        }
+        let mut ended = false;
+        for ev in self.parser.push(tok, next)? {
+            match ev {
+                ReplyEvent::Text { channel, text } => on_event(Event::Text {
+                    channel,
+                    text: &text,
+                }),
+                ReplyEvent::End => ended = true,
+            }
+        }
+        Ok(ended.then_some(Stop::EndOfMessage))
+    }
+
+    /// Whether the turn has generated its `n_gen` ids.
+    pub fn at_limit(&self) -> bool {
+        self.generated.len() >= self.n_gen
+    }
+
+    /// The reply parsed so far (channel text and reasoning).
+    pub fn finish(self) -> (Reply, Vec<u32>) {
+        (self.parser.finish(), self.generated)
+    }
+}
+
 /// A conversation on one model. See the module docs.
 pub struct Session<'s> {
     spec: &'s ModelSpec,
@@ -184,29 +316,7 @@ impl<'s> Session<'s> {
             thinking: cfg.thinking,
             ..RenderOptions::default()
         };
-        let mut eom = 0;
-        for name in [
-            chat::OPEN_TOKEN,
-            chat::CLOSE_TOKEN,
-            chat::SEP_TOKEN,
-            chat::END_OF_MSG_TOKEN,
-        ] {
-            let id = tok
-                .id_of(name)
-                .ok_or_else(|| k3_text::ChatError::MissingControlToken {
-                    name: name.to_string(),
-                })?;
-            if id as usize >= spec.vocab_size {
-                return Err(SessionError::TokenOutsideModel {
-                    id,
-                    what: format!("chat control token {name}"),
-                    vocab: spec.vocab_size,
-                });
-            }
-            if name == chat::END_OF_MSG_TOKEN {
-                eom = id;
-            }
-        }
+        let eom = end_of_msg_id(spec, &tok)?;
         chat::render_prompt(&messages, &opts)?;
         let n_allowed = spec.vocab_size.min(tok.vocab_size());
         Ok(Session {
@@ -297,19 +407,13 @@ impl<'s> Session<'s> {
         messages: &[Message],
         generation_prompt: bool,
     ) -> Result<Vec<u32>, SessionError> {
-        let opts = RenderOptions {
-            add_generation_prompt: generation_prompt,
-            ..self.opts.clone()
-        };
-        let ids = chat::render_prompt(messages, &opts)?.render_ids(&self.tok)?;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.spec.vocab_size) {
-            return Err(SessionError::TokenOutsideModel {
-                id,
-                what: format!("{:?}", self.tok.decode_lossy(&[id]).unwrap_or_default()),
-                vocab: self.spec.vocab_size,
-            });
-        }
-        Ok(ids)
+        prompt_ids(
+            self.spec,
+            &self.tok,
+            &self.opts,
+            messages,
+            generation_prompt,
+        )
     }
 
     /// Bring the live state to `target`: reuse it when `incremental` and `target` extends
@@ -400,9 +504,13 @@ impl<'s> Session<'s> {
         }
         on_event(Event::Prefilled(prefill));
 
-        let thinking = matches!(self.cfg.thinking, Thinking::On { .. });
-        let mut parser = ReplyParser::new(&self.tok, thinking)?;
-        let mut sampler = Sampler::for_turn(self.cfg.sampling, self.next_turn_index());
+        let mut dec = TurnDecoder::new(
+            &self.tok,
+            &self.cfg,
+            self.next_turn_index(),
+            self.n_allowed,
+            self.eom,
+        )?;
         let max = exec.plan().max_positions;
         let t0 = Instant::now();
         let mut stop = Stop::GenLimit;
@@ -416,37 +524,20 @@ impl<'s> Session<'s> {
         let n_allowed = self.n_allowed;
         let choose = |l: &[f32]| ops::argmax(&l[..n_allowed]) as u32;
         let mut queue = std::collections::VecDeque::new();
-        for i in 0..self.cfg.n_gen {
+        while !dec.at_limit() {
             let (next, guessed) = match queue.pop_front() {
                 Some(d) => (d, true),
-                None => (sampler.sample(&self.logits[..self.n_allowed]), false),
+                None => (dec.sample(&self.logits), false),
             };
-            out.generated.push(next);
-            if next != self.eom && self.cfg.extra_stop_ids.contains(&next) {
-                stop = Stop::StopId(next);
-                break;
-            }
-            let mut ended = false;
-            for ev in parser.push(&self.tok, next)? {
-                match ev {
-                    ReplyEvent::Text { channel, text } => {
-                        on_event(Event::Text {
-                            channel,
-                            text: &text,
-                        });
-                    }
-                    ReplyEvent::End => ended = true,
-                }
-            }
-            if ended {
-                stop = Stop::EndOfMessage;
+            if let Some(s) = dec.accept(&self.tok, next, on_event)? {
+                stop = s;
                 break;
             }
             if interrupt.load(Ordering::Relaxed) {
                 stop = Stop::Interrupted;
                 break;
             }
-            if i + 1 == self.cfg.n_gen {
+            if dec.at_limit() {
                 break;
             }
             let r = match spec.as_mut() {
@@ -455,10 +546,10 @@ impl<'s> Session<'s> {
                 Some(sp) => {
                     let context: Vec<u32> = self.fed[..fed_before]
                         .iter()
-                        .chain(&out.generated)
+                        .chain(&dec.generated)
                         .copied()
                         .collect();
-                    let room = self.cfg.n_gen - (i + 1);
+                    let room = self.cfg.n_gen - dec.generated.len();
                     sp.advance(
                         exec,
                         &mut self.state,
@@ -484,6 +575,7 @@ impl<'s> Session<'s> {
                 Err(e) => return Err(e.into()),
             }
         }
+        (out.reply, out.generated) = dec.finish();
         if let Some(mut sp) = spec {
             // The state plain decoding leaves: the prompt and every generated id but the last.
             let all: Vec<u32> = self.fed[..fed_before]
@@ -497,7 +589,6 @@ impl<'s> Session<'s> {
         }
         out.decode_seconds = t0.elapsed().as_secs_f64();
         out.stop = stop;
-        out.reply = parser.finish();
         if stop.commits() {
             out.records = Some([user, out.reply.to_message()]);
         }

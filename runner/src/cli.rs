@@ -279,7 +279,7 @@ impl Failure {
     }
 }
 
-fn exec_failure(e: ExecError) -> Failure {
+pub(crate) fn exec_failure(e: ExecError) -> Failure {
     let code = match &e {
         ExecError::Weight(WeightError::Expert { .. }) => exit::EXPERT_LOAD,
         _ => exit::FORWARD,
@@ -990,7 +990,13 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     let spec = run_spec(a, model_dir)?;
     let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
     let positions = a.max_context.unwrap_or(8192);
-    let (mut session, mut exec) = load_model(a, &spec, &ckpt, &settings, &notes, positions, 1)?;
+    // --serve-batch N: every request in the batch holds its own decode state.
+    let sequences = match a.chat.serve {
+        Some(_) => crate::chat::serve::serve_batch(a)?,
+        None => 1,
+    };
+    let (mut session, mut exec) =
+        load_model(a, &spec, &ckpt, &settings, &notes, positions, sequences)?;
     crate::chat::repl_main(&spec, &mut exec, &mut session.providers, a)
 }
 

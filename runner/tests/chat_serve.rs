@@ -330,3 +330,129 @@ fn speculating_server_gives_the_same_greedy_replies() {
     assert!(c["k3"]["speculation"].is_null(), "{c}");
     println!("guesses made: {guesses}");
 }
+
+/// `--serve-batch 3`: three requests sent together (the batch window lets them start
+/// together) decode in shared steps and get exactly the replies the one-at-a-time server
+/// gives, streamed or not, greedy or sampled; a fourth waits for a free slot.
+#[test]
+fn batched_server_gives_the_replies_of_the_serial_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    let serial = start(&model, &["--incremental", "--gen", "24"]);
+    let batched = start(
+        &model,
+        &[
+            "--incremental",
+            "--gen",
+            "24",
+            "--serve-batch",
+            "3",
+            "--batch-window",
+            "5000",
+        ],
+    );
+    let bodies = [
+        json!({"messages": [{"role": "user", "content": "first question"}]}),
+        json!({"messages": [{"role": "system", "content": "S"},
+            {"role": "user", "content": "second, a little longer than the first one"}],
+            "temperature": 1.2, "seed": 11, "max_tokens": 20}),
+        json!({"messages": [{"role": "user", "content": "one"},
+            {"role": "assistant", "content": "an answer", "reasoning_content": "why"},
+            {"role": "user", "content": "third"}], "stream": true}),
+        json!({"messages": [{"role": "user", "content": "fourth"}], "max_tokens": 5}),
+    ];
+    // The content, reasoning, finish reason and usage of a reply, streamed or not.
+    let answer = |port: u16, body: &Value| -> (String, String, Value, Value, Value) {
+        let (st, _, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+        assert_eq!(st, 200, "{text}");
+        if body["stream"] == json!(true) {
+            let (mut content, mut reasoning) = (String::new(), String::new());
+            let mut last = Value::Null;
+            for e in text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+                if e == "[DONE]" {
+                    break;
+                }
+                let v: Value = serde_json::from_str(e).unwrap();
+                let d = &v["choices"][0]["delta"];
+                content.push_str(d["content"].as_str().unwrap_or(""));
+                reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+                last = v;
+            }
+            let fin = last["choices"][0]["finish_reason"].clone();
+            (
+                content,
+                reasoning,
+                fin,
+                last["usage"].clone(),
+                last["k3"].clone(),
+            )
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let (c, r) = reply(&v);
+            let fin = v["choices"][0]["finish_reason"].clone();
+            (c, r, fin, v["usage"].clone(), v["k3"].clone())
+        }
+    };
+    let want: Vec<_> = bodies.iter().map(|b| answer(serial.port, b)).collect();
+    for w in &want {
+        assert_eq!(w.4["batch"], 1, "{:?}", w.4);
+    }
+    let port = batched.port;
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || answer(port, b)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            (&g.0, &g.1, &g.2, &g.3),
+            (&w.0, &w.1, &w.2, &w.3),
+            "request {i}"
+        );
+    }
+    // At least three requests decoded together (which three depends on arrival order).
+    let together = got.iter().filter(|g| g.4["batch"] == 3).count();
+    assert!(
+        together >= 2,
+        "{:?}",
+        got.iter().map(|g| &g.4).collect::<Vec<_>>()
+    );
+    assert!(got.iter().all(|g| g.4["batch"].as_u64().unwrap() >= 1));
+}
+
+#[test]
+fn serve_batch_flags_are_checked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    for (args, needle) in [
+        (&["--serve-batch", "0"][..], "--serve-batch 0"),
+        (&["--serve-batch", "65"][..], "1..=64"),
+        (
+            &["--serve-batch", "2", "--speculate", "2", "--incremental"][..],
+            "--speculate",
+        ),
+        (
+            &["--serve-batch", "2", "--batch-window", "20000"][..],
+            "--batch-window",
+        ),
+    ] {
+        let o = Command::new(bin())
+            .arg(&model)
+            .args(["--serve", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // --serve-batch needs --serve.
+    let o = Command::new(bin())
+        .arg(&model)
+        .args(["--ids", "1", "--serve-batch", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -51,6 +51,16 @@ pub struct ChatArgs {
     /// See docs/CHAT.md.
     #[arg(long, value_name = "ADDR", conflicts_with = "chat")]
     pub serve: Option<String>,
+    /// Serve: decode up to N requests together (default 1, at most 64), each step one pass
+    /// over the weights for all of them; every request holds its own decode state (checked
+    /// against memory at start). Replies are the same as served one at a time.
+    #[arg(long, value_name = "N", requires = "serve")]
+    pub serve_batch: Option<usize>,
+    /// Serve with --serve-batch: after a request reaches an idle server, wait up to MS
+    /// milliseconds for more before the first step, so requests sent together start together
+    /// (default 0).
+    #[arg(long, value_name = "MS", requires = "serve")]
+    pub batch_window: Option<u64>,
     /// Chat: sample with this temperature (switches sampling on; default 1.0; 0 = greedy).
     #[arg(long, requires = "chat")]
     pub temperature: Option<f32>,

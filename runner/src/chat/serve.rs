@@ -30,13 +30,14 @@ use k3_text::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::batch::{Batcher, Job};
 use super::repl::{
     fresh_seed, gen_given_on_command_line, gen_limit, session_config, tokenizer_dir,
 };
 use super::sample::Sampling;
-use super::session::{Event, Session, SessionError, Stop};
-use crate::cli::{Failure, RunArgs, exit};
-use crate::exec::{ExecError, Executor, Providers};
+use super::session::{Event, Session, SessionError, Stop, TurnOutcome};
+use crate::cli::{Failure, RunArgs, exec_failure, exit};
+use crate::exec::{Executor, Providers};
 
 /// Largest request body read (a long conversation fits easily).
 const MAX_BODY: usize = 16 << 20;
@@ -45,12 +46,18 @@ fn usage(e: impl std::fmt::Display) -> Failure {
     Failure::usage(e.to_string())
 }
 
-/// What the server needs before the model loads: tokenizer, thinking mode, default limit.
+/// What the server needs before the model loads: tokenizer, thinking mode, default limit,
+/// requests decoded together and the batch window.
 struct Prepared {
     tok: Tokenizer,
     thinking: Thinking,
     n_gen: usize,
+    batch: usize,
+    window: Duration,
 }
+
+/// Most requests `--serve-batch` decodes together.
+pub const MAX_SERVE_BATCH: usize = 64;
 
 fn prepare(run: &RunArgs) -> Result<Prepared, Failure> {
     if run.ids.is_some() || run.prompt.is_some() || run.prompt_file.is_some() {
@@ -63,11 +70,36 @@ fn prepare(run: &RunArgs) -> Result<Prepared, Failure> {
     let c = &run.chat;
     let thinking = Thinking::from_flags(c.no_think, c.thinking_effort.as_deref()).map_err(usage)?;
     let n_gen = gen_limit(run, gen_given_on_command_line())?;
+    let batch = serve_batch(run)?;
+    if batch > 1 && run.speculate.is_some() {
+        return Err(Failure::usage(
+            "--speculate works on one request at a time: not with --serve-batch above 1",
+        ));
+    }
+    let window = run.chat.batch_window.unwrap_or(0);
+    if window > 10_000 {
+        return Err(Failure::usage(format!(
+            "--batch-window {window}: at most 10000 ms"
+        )));
+    }
     Ok(Prepared {
         tok,
         thinking,
         n_gen,
+        batch,
+        window: Duration::from_millis(window),
     })
+}
+
+/// `--serve-batch N` (default 1): requests decoded together; each holds its own decode state.
+pub fn serve_batch(run: &RunArgs) -> Result<usize, Failure> {
+    match run.chat.serve_batch {
+        None => Ok(1),
+        Some(n) if (1..=MAX_SERVE_BATCH).contains(&n) => Ok(n),
+        Some(n) => Err(Failure::usage(format!(
+            "--serve-batch {n}: 1..={MAX_SERVE_BATCH} requests"
+        ))),
+    }
 }
 
 /// Check the flags and the tokenizer before the model is loaded.
@@ -224,11 +256,12 @@ pub fn main(
         tok,
         thinking,
         n_gen,
+        batch,
+        window,
     } = prepare(run)?;
     let addr = run.chat.serve.as_deref().unwrap_or("127.0.0.1:8080");
-    // Each request sets its own sampling (`Session::set_turn_settings`).
+    // Each request sets its own sampling and limit.
     let cfg = session_config(spec, &tok, run, thinking, n_gen, Sampling::Greedy)?;
-    let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
     let server = tiny_http::Server::http(addr)
         .map_err(|e| Failure::usage(format!("--serve {addr}: cannot listen: {e}")))?;
     let bound = server
@@ -237,8 +270,8 @@ pub fn main(
         .map_or_else(|| addr.to_string(), |a| a.to_string());
     println!(
         "k3-run serve: listening on http://{bound} (model {}, {} layers; {}; default max_tokens \
-         {n_gen}; context {} positions; {}); POST /v1/chat/completions, GET /v1/models; Ctrl-C \
-         stops",
+         {n_gen}; context {} positions; {}; {}); POST /v1/chat/completions, GET /v1/models; \
+         Ctrl-C stops",
         spec.name,
         spec.n_layers,
         match thinking {
@@ -251,6 +284,11 @@ pub fn main(
             "state reused across requests"
         } else {
             "full prefill per request"
+        },
+        if batch > 1 {
+            format!("up to {batch} requests decoded together")
+        } else {
+            "one request at a time".to_string()
         }
     );
     let _ = std::io::stdout().flush();
@@ -262,18 +300,46 @@ pub fn main(
         .collect::<Result<_, _>>()
         .map_err(|e| Failure::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
     let mut served = 0u64;
-    let result = loop {
-        if stop.load(Ordering::Relaxed) {
-            break Ok(exit::INTERRUPTED);
-        }
-        let req = match server.recv_timeout(Duration::from_millis(200)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => break Err(Failure::usage(format!("--serve {bound}: {e}"))),
+    let result = if batch > 1 {
+        let batcher =
+            Batcher::new(spec, tok, cfg, batch, exec.plan().max_positions).map_err(usage)?;
+        let mut srv = Batched {
+            spec,
+            server: &server,
+            bound: &bound,
+            batcher,
+            default_n_gen: n_gen,
+            window,
+            served: &mut served,
         };
-        served += 1;
-        if let Err(f) = handle(spec, &mut session, exec, providers, req, &stop, served) {
-            break Err(f);
+        srv.serve(exec, providers, &stop)
+    } else {
+        let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                break Ok(exit::INTERRUPTED);
+            }
+            let req = match server.recv_timeout(Duration::from_millis(200)) {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(e) => break Err(Failure::usage(format!("--serve {bound}: {e}"))),
+            };
+            served += 1;
+            let Some((req, r)) = route(spec, req) else {
+                continue;
+            };
+            if let Err(f) = complete(
+                spec,
+                &mut session,
+                exec,
+                providers,
+                (req, r),
+                n_gen,
+                &stop,
+                served,
+            ) {
+                break Err(f);
+            }
         }
     };
     for id in sig_ids {
@@ -283,24 +349,20 @@ pub fn main(
     result
 }
 
-/// One request. `Err` only for a failure that must stop the server.
-fn handle(
+/// Answer every request but a well-formed chat completion (models list, errors); return that
+/// one with its parsed body.
+fn route(
     spec: &ModelSpec,
-    session: &mut Session<'_>,
-    exec: &mut Executor<'_>,
-    providers: &mut Providers<'_>,
     mut req: tiny_http::Request,
-    stop: &AtomicBool,
-    n: u64,
-) -> Result<(), Failure> {
+) -> Option<(tiny_http::Request, ChatRequest)> {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let method = req.method().clone();
-    match (method, path.as_str()) {
+    let err = match (method, path.as_str()) {
         (tiny_http::Method::Get, "/v1/models") => {
             let body = json!({"object": "list", "data": [
                 {"id": spec.name, "object": "model", "created": 0, "owned_by": "k3-run"}]});
             respond_json(req, 200, body.to_string());
-            Ok(())
+            return None;
         }
         (tiny_http::Method::Post, "/v1/chat/completions") => {
             let mut body = Vec::new();
@@ -320,189 +382,354 @@ fn handle(
                     .and_then(|r| r.check().map(|()| r).map_err(HttpError::bad)),
             };
             match parsed {
-                Err(e) => {
-                    respond_json(req, e.status, e.body());
-                    Ok(())
-                }
-                Ok(r) => complete(spec, session, exec, providers, req, r, stop, n),
+                Ok(r) => return Some((req, r)),
+                Err(e) => e,
             }
         }
-        (_, "/v1/models" | "/v1/chat/completions") => {
-            let e = HttpError {
-                status: 405,
-                kind: "invalid_request_error",
-                message: format!("{path}: method not allowed"),
-            };
-            respond_json(req, e.status, e.body());
-            Ok(())
+        (_, "/v1/models" | "/v1/chat/completions") => HttpError {
+            status: 405,
+            kind: "invalid_request_error",
+            message: format!("{path}: method not allowed"),
+        },
+        _ => HttpError {
+            status: 404,
+            kind: "invalid_request_error",
+            message: format!("{path}: not found (POST /v1/chat/completions, GET /v1/models)"),
+        },
+    };
+    respond_json(req, err.status, err.body());
+    None
+}
+
+/// A request's turn: the conversation before the user's message, that message, and the
+/// settings of the reply.
+struct Turn {
+    history: Vec<Message>,
+    user: Message,
+    n_gen: usize,
+    sampling: Sampling,
+    stream: bool,
+    model: String,
+}
+
+impl Turn {
+    fn of(spec: &ModelSpec, r: ChatRequest, default_n_gen: usize) -> Result<Turn, HttpError> {
+        let n_gen = r
+            .max_completion_tokens
+            .or(r.max_tokens)
+            .unwrap_or(default_n_gen);
+        if n_gen == 0 || n_gen > super::repl::MAX_GEN {
+            return Err(HttpError::bad(format!(
+                "`max_tokens` {n_gen}: 1..={} tokens per reply",
+                super::repl::MAX_GEN
+            )));
         }
-        _ => {
-            let e = HttpError {
-                status: 404,
-                kind: "invalid_request_error",
-                message: format!("{path}: not found (POST /v1/chat/completions, GET /v1/models)"),
-            };
+        let sampling = Sampling::from_flags(false, r.temperature, r.top_p, r.seed, fresh_seed)
+            .map_err(|e| {
+                HttpError::bad(
+                    e.to_string()
+                        .replace("--temperature", "`temperature`")
+                        .replace("--top-p", "`top_p`"),
+                )
+            })?;
+        let mut history = r.messages;
+        let user = history
+            .pop()
+            .expect("checked: the last message is the user's");
+        Ok(Turn {
+            history,
+            user,
+            n_gen,
+            sampling,
+            stream: r.stream,
+            model: r.model.unwrap_or_else(|| spec.name.clone()),
+        })
+    }
+}
+
+/// Where one reply goes: server-sent events on the raw connection (`stream: true`), or one
+/// JSON body at the end.
+struct ReplySink {
+    writer: Option<Chunked>,
+    req: Option<tiny_http::Request>,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ReplySink {
+    /// Start the reply to request number `n`; `None` when a streaming client is already gone.
+    fn open(req: tiny_http::Request, stream: bool, model: String, n: u64) -> Option<ReplySink> {
+        let mut sink = ReplySink {
+            writer: None,
+            req: None,
+            id: format!("chatcmpl-k3run-{n}"),
+            created: now_secs(),
+            model,
+        };
+        if !stream {
+            sink.req = Some(req);
+            return Some(sink);
+        }
+        let mut raw = req.into_writer();
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: \
+                    no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
+        raw.write_all(head.as_bytes())
+            .and_then(|()| raw.flush())
+            .ok()?;
+        let mut w = Chunked(raw);
+        let first = sink.chunk(json!({"role": "assistant", "content": ""}), Value::Null);
+        let _ = w.write_all(format!("data: {first}\n\n").as_bytes());
+        sink.writer = Some(w);
+        Some(sink)
+    }
+
+    fn chunk(&self, delta: Value, finish: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "choices": [{"index": 0, "delta": delta,
+            "finish_reason": finish}]})
+    }
+
+    /// Stream a piece of the reply; false when the client is gone.
+    fn text(&mut self, ev: Event<'_>) -> bool {
+        let Event::Text { channel, text } = ev else {
+            return true;
+        };
+        let delta = match channel {
+            Channel::Think => json!({"reasoning_content": text}),
+            Channel::Response => json!({"content": text}),
+            Channel::Tools | Channel::Between => return true,
+        };
+        let chunk = self.chunk(delta, Value::Null);
+        let Some(w) = self.writer.as_mut() else {
+            return true;
+        };
+        w.write_all(format!("data: {chunk}\n\n").as_bytes())
+            .and_then(|()| w.flush())
+            .is_ok()
+    }
+
+    /// End the reply with the turn's outcome (or its error: 400, or 500 for a forward-pass
+    /// failure). `batch` is the most requests decoded together with this one.
+    fn done(mut self, outcome: &Result<TurnOutcome, SessionError>, batch: usize) {
+        let o = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                let fatal = matches!(e, SessionError::Exec(_));
+                return self.fail(HttpError {
+                    status: if fatal { 500 } else { 400 },
+                    kind: if fatal {
+                        "server_error"
+                    } else {
+                        "invalid_request_error"
+                    },
+                    message: e.to_string(),
+                });
+            }
+        };
+        let usage = json!({"prompt_tokens": o.prefill.total,
+            "completion_tokens": o.generated.len(),
+            "total_tokens": o.prefill.total + o.generated.len()});
+        let k3 = json!({"reused_positions": o.prefill.reused, "fed_positions": o.prefill.fed,
+            "prefill_seconds": o.prefill.seconds, "decode_seconds": o.decode_seconds,
+            "speculation": o.speculation, "batch": batch});
+        let finish = finish_reason(o.stop);
+        if let Some(mut w) = self.writer.take() {
+            let mut last = self.chunk(json!({}), json!(finish));
+            last["usage"] = usage;
+            last["k3"] = k3;
+            let _ = w
+                .write_all(format!("data: {last}\n\ndata: [DONE]\n\n").as_bytes())
+                .and_then(|()| w.finish());
+        } else if let Some(req) = self.req.take() {
+            let mut message = json!({"role": "assistant", "content": o.reply.content});
+            if !o.reply.reasoning_content.is_empty() {
+                message["reasoning_content"] = json!(o.reply.reasoning_content);
+            }
+            let body = json!({"id": self.id, "object": "chat.completion",
+                "created": self.created, "model": self.model, "choices": [{"index": 0,
+                "message": message, "finish_reason": finish}], "usage": usage, "k3": k3});
+            respond_json(req, 200, body.to_string());
+        }
+    }
+
+    /// End the reply with an error.
+    fn fail(mut self, e: HttpError) {
+        if let Some(mut w) = self.writer.take() {
+            let _ = w
+                .write_all(format!("data: {}\n\n", e.body()).as_bytes())
+                .and_then(|()| w.finish());
+        } else if let Some(req) = self.req.take() {
             respond_json(req, e.status, e.body());
-            Ok(())
         }
     }
 }
 
+/// One request, served alone. `Err` only for a failure that must stop the server.
 #[allow(clippy::too_many_arguments)]
 fn complete(
     spec: &ModelSpec,
     session: &mut Session<'_>,
     exec: &mut Executor<'_>,
     providers: &mut Providers<'_>,
-    req: tiny_http::Request,
-    r: ChatRequest,
+    (req, r): (tiny_http::Request, ChatRequest),
+    default_n_gen: usize,
     stop: &AtomicBool,
     n: u64,
 ) -> Result<(), Failure> {
-    let n_gen = r
-        .max_completion_tokens
-        .or(r.max_tokens)
-        .unwrap_or(session.config().n_gen);
-    if n_gen == 0 || n_gen > super::repl::MAX_GEN {
-        let e = HttpError::bad(format!(
-            "`max_tokens` {n_gen}: 1..={} tokens per reply",
-            super::repl::MAX_GEN
-        ));
-        respond_json(req, e.status, e.body());
-        return Ok(());
-    }
-    let sampling = match Sampling::from_flags(false, r.temperature, r.top_p, r.seed, fresh_seed) {
-        Ok(s) => s,
+    // The server's default, not the session's: that holds the previous request's limit.
+    let t = match Turn::of(spec, r, default_n_gen) {
+        Ok(t) => t,
         Err(e) => {
-            let e = HttpError::bad(
-                e.to_string()
-                    .replace("--temperature", "`temperature`")
-                    .replace("--top-p", "`top_p`"),
-            );
             respond_json(req, e.status, e.body());
             return Ok(());
         }
     };
-    let mut messages = r.messages;
-    let user = messages
-        .pop()
-        .expect("checked: the last message is the user's");
-    if let Err(e) = session.set_messages(messages) {
+    if let Err(e) = session.set_messages(t.history) {
         let e = HttpError::bad(format!("`messages`: {e}"));
         respond_json(req, e.status, e.body());
         return Ok(());
     }
-    session.set_turn_settings(n_gen, sampling);
-    let id = format!("chatcmpl-k3run-{n}");
-    let created = now_secs();
-    let model = r.model.unwrap_or_else(|| spec.name.clone());
-
-    // Streaming: headers now, then one event per piece of text. The turn stops early when the
-    // client goes away or Ctrl-C is pressed.
+    session.set_turn_settings(t.n_gen, t.sampling);
+    let Some(mut sink) = ReplySink::open(req, t.stream, t.model, n) else {
+        return Ok(());
+    };
+    // The turn stops early when the client goes away or Ctrl-C is pressed.
     let cut = AtomicBool::new(false);
-    let (mut writer, mut pending_req) = if r.stream {
-        let mut raw = req.into_writer();
-        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: \
-                    no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
-        if raw
-            .write_all(head.as_bytes())
-            .and_then(|()| raw.flush())
-            .is_err()
-        {
-            return Ok(());
+    let outcome = session.turn(exec, providers, &t.user.content, &cut, &mut |ev| {
+        if stop.load(Ordering::Relaxed) || !sink.text(ev) {
+            cut.store(true, Ordering::Relaxed);
         }
-        let mut w = Chunked(raw);
-        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-            "finish_reason": null}]});
-        let _ = w.write_all(format!("data: {first}\n\n").as_bytes());
-        (Some(w), None)
-    } else {
-        (None, Some(req))
-    };
-    let outcome = {
-        let mut on_event = |ev: Event<'_>| {
-            if stop.load(Ordering::Relaxed) {
-                cut.store(true, Ordering::Relaxed);
-            }
-            let (Some(w), Event::Text { channel, text }) = (writer.as_mut(), ev) else {
-                return;
-            };
-            let delta = match channel {
-                Channel::Think => json!({"reasoning_content": text}),
-                Channel::Response => json!({"content": text}),
-                Channel::Tools | Channel::Between => return,
-            };
-            let chunk = json!({"id": id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
-            if w.write_all(format!("data: {chunk}\n\n").as_bytes())
-                .and_then(|()| w.flush())
-                .is_err()
-            {
-                cut.store(true, Ordering::Relaxed);
-            }
-        };
-        session.turn(exec, providers, &user.content, &cut, &mut on_event)
-    };
+    });
+    sink.done(&outcome, 1);
     match outcome {
-        Ok(o) => {
-            let usage = json!({"prompt_tokens": o.prefill.total,
-                "completion_tokens": o.generated.len(),
-                "total_tokens": o.prefill.total + o.generated.len()});
-            let k3 = json!({"reused_positions": o.prefill.reused, "fed_positions": o.prefill.fed,
-                "prefill_seconds": o.prefill.seconds, "decode_seconds": o.decode_seconds,
-                "speculation": o.speculation});
-            let finish = finish_reason(o.stop);
-            if let Some(mut w) = writer.take() {
-                let last = json!({"id": id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
-                    "usage": usage, "k3": k3});
-                let _ = w
-                    .write_all(format!("data: {last}\n\ndata: [DONE]\n\n").as_bytes())
-                    .and_then(|()| w.finish());
-            } else if let Some(req) = pending_req.take() {
-                let mut message = json!({"role": "assistant", "content": o.reply.content});
-                if !o.reply.reasoning_content.is_empty() {
-                    message["reasoning_content"] = json!(o.reply.reasoning_content);
+        Err(SessionError::Exec(e)) => Err(exec_failure(e)),
+        _ => Ok(()),
+    }
+}
+
+/// The batched server (`--serve-batch N`, N > 1): requests are admitted between steps while a
+/// slot is free (the rest wait in the listener's queue, in order) and decode together, one
+/// layer-major pass per step ([`Batcher`]).
+struct Batched<'a, 's> {
+    spec: &'s ModelSpec,
+    server: &'a tiny_http::Server,
+    bound: &'a str,
+    batcher: Batcher<'s, ReplySink>,
+    default_n_gen: usize,
+    /// `--batch-window`: after a request reaches an idle server, wait this long for others
+    /// before the first step, so requests sent together start together.
+    window: Duration,
+    served: &'a mut u64,
+}
+
+impl Batched<'_, '_> {
+    fn serve(
+        &mut self,
+        exec: &mut Executor<'_>,
+        providers: &mut Providers<'_>,
+        stop: &AtomicBool,
+    ) -> Result<u8, Failure> {
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                for f in self.batcher.interrupt_all() {
+                    f.sink.done(&f.outcome, f.max_batch);
                 }
-                let body = json!({"id": id, "object": "chat.completion", "created": created,
-                    "model": model, "choices": [{"index": 0, "message": message,
-                    "finish_reason": finish}], "usage": usage, "k3": k3});
-                respond_json(req, 200, body.to_string());
+                return Ok(exit::INTERRUPTED);
             }
-            Ok(())
+            let idle = self.batcher.is_idle();
+            self.admit(idle)?;
+            if self.batcher.is_idle() {
+                continue;
+            }
+            let step = self.batcher.step(exec, providers, &mut |sink, ev| {
+                !stop.load(Ordering::Relaxed) && sink.text(ev)
+            });
+            match step {
+                Ok(done) => {
+                    for f in done {
+                        f.sink.done(&f.outcome, f.max_batch);
+                    }
+                }
+                Err(e) => {
+                    let msg = format!("forward pass failed: {e}");
+                    for sink in self.batcher.abort() {
+                        sink.fail(HttpError {
+                            status: 500,
+                            kind: "server_error",
+                            message: msg.clone(),
+                        });
+                    }
+                    return Err(exec_failure(e));
+                }
+            }
         }
-        Err(e) => {
-            let fatal = matches!(e, SessionError::Exec(_));
-            let status = if fatal { 500 } else { 400 };
-            let err = HttpError {
-                status,
-                kind: if fatal {
-                    "server_error"
-                } else {
-                    "invalid_request_error"
-                },
-                message: e.to_string(),
+    }
+
+    /// Take requests while a slot is free: waiting up to 200 ms when `idle` (then the batch
+    /// window), else only those already queued.
+    fn admit(&mut self, idle: bool) -> Result<(), Failure> {
+        let mut deadline: Option<std::time::Instant> = None;
+        while self.batcher.has_room() {
+            let got = match (idle, deadline) {
+                (true, None) => self.server.recv_timeout(Duration::from_millis(200)),
+                (true, Some(d)) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    self.server.recv_timeout(left)
+                }
+                (false, _) => self.server.try_recv(),
             };
-            if let Some(mut w) = writer.take() {
-                let _ = w
-                    .write_all(format!("data: {}\n\n", err.body()).as_bytes())
-                    .and_then(|()| w.finish());
-            } else if let Some(req) = pending_req.take() {
-                respond_json(req, status, err.body());
+            let req = match got {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(e) => return Err(Failure::usage(format!("--serve {}: {e}", self.bound))),
+            };
+            *self.served += 1;
+            let Some((req, r)) = route(self.spec, req) else {
+                continue;
+            };
+            let t = match Turn::of(self.spec, r, self.default_n_gen) {
+                Ok(t) => t,
+                Err(e) => {
+                    respond_json(req, e.status, e.body());
+                    continue;
+                }
+            };
+            let turn_index = t
+                .history
+                .iter()
+                .filter(|m| m.role == Role::Assistant)
+                .count() as u64;
+            let mut messages = t.history;
+            messages.push(t.user);
+            let prompt = match self.batcher.render(&messages) {
+                Ok(p) => p,
+                Err(e) => {
+                    let e = HttpError::bad(format!("`messages`: {e}"));
+                    respond_json(req, e.status, e.body());
+                    continue;
+                }
+            };
+            let Some(sink) = ReplySink::open(req, t.stream, t.model, *self.served) else {
+                continue;
+            };
+            let job = Job {
+                prompt,
+                n_gen: t.n_gen,
+                sampling: t.sampling,
+                turn_index,
+                sink,
+            };
+            if let Err((sink, e)) = self.batcher.admit(job) {
+                sink.done(&Err(e), 0);
             }
-            match e {
-                SessionError::Exec(e) => Err(Failure {
-                    code: match &e {
-                        ExecError::Weight(crate::weights::WeightError::Expert { .. }) => {
-                            exit::EXPERT_LOAD
-                        }
-                        _ => exit::FORWARD,
-                    },
-                    msg: e.to_string(),
-                }),
-                _ => Ok(()),
+            if idle && deadline.is_none() {
+                deadline = Some(std::time::Instant::now() + self.window);
             }
         }
+        Ok(())
     }
 }

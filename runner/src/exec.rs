@@ -927,14 +927,7 @@ impl<'s> Executor<'s> {
     ) -> Result<(), ExecError> {
         let spec = self.spec;
         let layer = spec.layers[l];
-        let (pool, serial, fetch, plan, s, guess) = (
-            &self.pool,
-            &self.serial,
-            &self.fetch,
-            &self.plan,
-            &mut self.s,
-            &mut self.guess,
-        );
+        let (pool, plan, s, guess) = (&self.pool, &self.plan, &mut self.s, &mut self.guess);
         // ---- expert prefetch guess (speculative; cannot change any bit) ----
         // Route with this layer's router on an estimate of its MoE input (below) and let the
         // expert source start reading the top (k + margin) ids while the attention computes.
@@ -954,6 +947,55 @@ impl<'s> Executor<'s> {
             }
         }
         // ---- end expert prefetch guess ----
+        self.attn_part(l, lw, st, pos)?;
+        let (pool, serial, fetch, plan, s, guess) = (
+            &self.pool,
+            &self.serial,
+            &self.fetch,
+            &self.plan,
+            &mut self.s,
+            &mut self.guess,
+        );
+        // blk.{l}.mlp_out
+        match layer.ffn {
+            FfnKind::Dense => Self::dense(spec, pool, s, lw, l)?,
+            FfnKind::Moe => {
+                // Look-ahead guess of the next MoE layer, from this layer's MoE input with
+                // the next layer's router (its weights are in RAM: pinned or resident), read
+                // after this layer's own misses while this layer's experts and the next
+                // layer's attention compute. Own buffers only; cannot change any bit.
+                if let (Some((nl, nlw)), Some(margin)) = (ahead, margin) {
+                    let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
+                    // The next layer's MoE input, estimated: its AttnRes mix (its own
+                    // pseudo-query) of the blocks and the current partial sum (the next
+                    // attention's output is not known yet); without AttnRes, this layer's
+                    // MoE input. 95% of routed ids at margin 0 on k3-mini vs 89% with this
+                    // layer's own mix.
+                    if let Some(n) = Self::guess_layer(spec, pool, s, g, nlw, margin, &s.x) {
+                        experts.prefetch_after_next(nl, &g.ids[..n]);
+                        g.ahead_for.push(nl);
+                    }
+                }
+                Self::moe(spec, (pool, serial, fetch), s, lw, l, experts)?;
+            }
+        }
+        ops::add_inplace(&mut s.partial, &s.mlp_out);
+        Ok(())
+    }
+
+    /// The first half of layer `l` for the token whose carry is in the scratch: the attention
+    /// input (AttnRes mix or residual), its norm, the attention (KDA or MLA at `pos`, updating
+    /// `st`), the partial sum, and the FFN input normed into `s.xn`.
+    fn attn_part(
+        &mut self,
+        l: usize,
+        lw: &LayerWeights<'_>,
+        st: &mut LayerState,
+        pos: usize,
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let layer = spec.layers[l];
+        let (pool, s) = (&self.pool, &mut self.s);
         // blk.{l}.attn_in
         match &spec.attn_res {
             Some(ar) => {
@@ -1000,30 +1042,6 @@ impl<'s> Executor<'s> {
         }
         let n = widen(need(lw, l, TensorRole::PostAttnNorm)?, &mut s.w_a);
         ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
-        // blk.{l}.mlp_out
-        match layer.ffn {
-            FfnKind::Dense => Self::dense(spec, pool, s, lw, l)?,
-            FfnKind::Moe => {
-                // Look-ahead guess of the next MoE layer, from this layer's MoE input with
-                // the next layer's router (its weights are in RAM: pinned or resident), read
-                // after this layer's own misses while this layer's experts and the next
-                // layer's attention compute. Own buffers only; cannot change any bit.
-                if let (Some((nl, nlw)), Some(margin)) = (ahead, margin) {
-                    let g = guess.get_or_insert_with(|| GuessScratch::new(plan));
-                    // The next layer's MoE input, estimated: its AttnRes mix (its own
-                    // pseudo-query) of the blocks and the current partial sum (the next
-                    // attention's output is not known yet); without AttnRes, this layer's
-                    // MoE input. 95% of routed ids at margin 0 on k3-mini vs 89% with this
-                    // layer's own mix.
-                    if let Some(n) = Self::guess_layer(spec, pool, s, g, nlw, margin, &s.x) {
-                        experts.prefetch_after_next(nl, &g.ids[..n]);
-                        g.ahead_for.push(nl);
-                    }
-                }
-                Self::moe(spec, (pool, serial, fetch), s, lw, l, experts)?;
-            }
-        }
-        ops::add_inplace(&mut s.partial, &s.mlp_out);
         Ok(())
     }
 
@@ -1524,29 +1542,7 @@ impl<'s> Executor<'s> {
             ));
             lin_batch(pool, &s.xn, jobs);
         }
-        // router: selection with bias, weights from the unbiased scores
-        let cfg = router::RouterCfg {
-            top_k: k,
-            scoring: match p.scoring {
-                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
-                RouterScoring::Softmax => router::Scoring::Softmax,
-            },
-            renormalize: p.renormalize,
-            scale: p.routed_scaling_factor,
-        };
-        let bias = if p.has_score_bias {
-            let n = widen(need(lw, l, TensorRole::RouterBias)?, &mut s.w_a);
-            Some(&s.w_a[..n])
-        } else {
-            None
-        };
-        router::route(
-            &s.router_logits[..ne],
-            bias,
-            &cfg,
-            &mut s.ids[..k],
-            &mut s.weights[..k],
-        );
+        Self::route_token(p, s, lw, l)?;
         let shared_down = if sw > 0 {
             Some(need(lw, l, TensorRole::SharedDown)?)
         } else {
@@ -1675,6 +1671,63 @@ impl<'s> Executor<'s> {
             drop(ews);
             shared(ff_gate, ff_up, ff_h, tmp_d);
         }
+        Self::moe_combine(spec, pool, s, lw, l)
+    }
+
+    /// The routing of the token whose MoE input is in the scratch: selection with the score
+    /// bias, weights from the unbiased scores, from `s.router_logits` into `s.ids` /
+    /// `s.weights` (ids ascending).
+    fn route_token(
+        p: &k3_models::spec::MoeSpec,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+    ) -> Result<(), ExecError> {
+        let (ne, k) = (p.n_experts, p.n_experts_active);
+        let cfg = router::RouterCfg {
+            top_k: k,
+            scoring: match p.scoring {
+                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
+                RouterScoring::Softmax => router::Scoring::Softmax,
+            },
+            renormalize: p.renormalize,
+            scale: p.routed_scaling_factor,
+        };
+        let bias = if p.has_score_bias {
+            let n = widen(need(lw, l, TensorRole::RouterBias)?, &mut s.w_a);
+            Some(&s.w_a[..n])
+        } else {
+            None
+        };
+        router::route(
+            &s.router_logits[..ne],
+            bias,
+            &cfg,
+            &mut s.ids[..k],
+            &mut s.weights[..k],
+        );
+        Ok(())
+    }
+
+    /// The end of a MoE layer: the routed experts' outputs (slots `[gate ff | up ff | h ff |
+    /// out]` in `s.experts_scratch`, routed order) weighted and summed in that order, the
+    /// routed-expert norm and the latent up-projection, plus the shared experts (`s.tmp_d`),
+    /// into `s.mlp_out`.
+    fn moe_combine(
+        spec: &ModelSpec,
+        pool: &Pool,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+    ) -> Result<(), ExecError> {
+        let p = spec
+            .moe
+            .as_ref()
+            .expect("validated: MoE layers have a MoeSpec");
+        let (k, ff) = (p.n_experts_active, p.d_expert_ff);
+        let dz = p.d_latent.unwrap_or(spec.d_model);
+        let sw = ff * p.n_shared_experts;
+        let stride = 3 * ff + dz;
         s.acc[..dz].fill(0.0);
         for j in 0..k {
             let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];

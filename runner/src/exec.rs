@@ -742,6 +742,20 @@ impl<'s> Executor<'s> {
                 _ => (w.trunk.layer(l)?, None),
             };
             let ahead = next_moe.zip(next_lw.as_ref());
+            if tokens.len() > 1 && spec.layers[l].ffn == FfnKind::Moe {
+                let at: Vec<(usize, usize)> =
+                    (0..tokens.len()).map(|t| (0, state.n_pos + t)).collect();
+                let experts = w.experts.as_mut();
+                self.moe_layer_many(
+                    l,
+                    &lw,
+                    &mut carries,
+                    &at,
+                    std::slice::from_mut(state),
+                    experts,
+                )?;
+                continue;
+            }
             for t in 0..tokens.len() {
                 let st = &mut state.layers[l];
                 let experts = w.experts.as_mut();
@@ -825,8 +839,20 @@ impl<'s> Executor<'s> {
         if let Some(g) = self.guess.as_mut() {
             g.ahead_for.clear();
         }
+        // (sequence, position) of every token, in order
+        let at: Vec<(usize, usize)> = states
+            .iter()
+            .zip(parts)
+            .enumerate()
+            .flat_map(|(b, (st, p))| (0..p.len()).map(move |t| (b, st.n_pos + t)))
+            .collect();
         for l in 0..spec.n_layers {
             let lw = w.trunk.layer(l)?;
+            if at.len() > 1 && spec.layers[l].ffn == FfnKind::Moe {
+                let experts = w.experts.as_mut();
+                self.moe_layer_many(l, &lw, &mut carries, &at, states, experts)?;
+                continue;
+            }
             let mut k = 0;
             for (st, p) in states.iter_mut().zip(parts) {
                 for t in 0..p.len() {
@@ -980,6 +1006,130 @@ impl<'s> Executor<'s> {
             }
         }
         ops::add_inplace(&mut s.partial, &s.mlp_out);
+        Ok(())
+    }
+
+    /// MoE layer `l` for several tokens of one layer-major call, EXPERT-MAJOR: every token's
+    /// attention and routing first, in token order (token `i` of `at` is the carry
+    /// [`Self::with_carry`] gives for `i`, on `states[seq]` at `pos`; a token's MoE output
+    /// feeds only its own next layer, never another token's attention in this one), then
+    /// each routed expert any token chose is fetched ONCE (ascending id, `top_k` per
+    /// `experts()` call) and applied to every token that chose it, then each token's shared
+    /// experts and combine. Every output is the same kernel on the same input as in
+    /// [`Self::layer`] and the combine runs in the routed order, so the bits are those of the
+    /// tokens one by one; a streamed expert is read once per layer per call instead of once
+    /// per token that routes to it.
+    fn moe_layer_many(
+        &mut self,
+        l: usize,
+        lw: &LayerWeights<'_>,
+        carries: &mut [Carry],
+        at: &[(usize, usize)],
+        states: &mut [SeqState],
+        experts: &mut dyn ExpertSource,
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let p = spec
+            .moe
+            .as_ref()
+            .expect("validated: MoE layers have a MoeSpec");
+        let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
+        let dz = p.d_latent.unwrap_or(spec.d_model);
+        let sw = ff * p.n_shared_experts;
+        let stride = 3 * ff + dz;
+        // Per token: the MoE input, the expert input (latent z or the MoE input), the routing.
+        struct Routed {
+            xn: Vec<f32>,
+            xin: Vec<f32>,
+            ids: Vec<u32>,
+            weights: Vec<f32>,
+        }
+        let mut routed: Vec<Routed> = Vec::with_capacity(at.len());
+        for (i, &(seq, pos)) in at.iter().enumerate() {
+            let st = &mut states[seq].layers[l];
+            let r = self.with_carry(carries, i, |ex| {
+                ex.attn_part(l, lw, st, pos)?;
+                let (pool, s) = (&ex.pool, &mut ex.s);
+                lin(
+                    pool,
+                    need(lw, l, TensorRole::Router)?,
+                    &s.xn,
+                    &mut s.router_logits[..ne],
+                );
+                Self::route_token(p, s, lw, l)?;
+                let xin = match p.d_latent {
+                    Some(_) => {
+                        lin(
+                            pool,
+                            need(lw, l, TensorRole::LatentDown)?,
+                            &s.xn,
+                            &mut s.z[..dz],
+                        );
+                        s.z[..dz].to_vec()
+                    }
+                    None => s.xn.clone(),
+                };
+                Ok(Routed {
+                    xn: s.xn.clone(),
+                    xin,
+                    ids: s.ids[..k].to_vec(),
+                    weights: s.weights[..k].to_vec(),
+                })
+            })?;
+            routed.push(r);
+        }
+        // Each chosen expert once, top_k at a time; one task per (token, expert) pair, each on
+        // one thread (a task's bits are those of the canonical row order).
+        let mut union: Vec<u32> = routed.iter().flat_map(|r| r.ids.iter().copied()).collect();
+        union.sort_unstable();
+        union.dedup();
+        let mut outs: Vec<Vec<f32>> = vec![vec![0.0; k * stride]; at.len()];
+        let (pool, serial, act) = (&self.pool, &self.serial, spec.activation);
+        for group in union.chunks(k.max(1)) {
+            let ews = experts.experts(l, group)?;
+            let mut tasks: Vec<(&[f32], &ExpertWeights<'_>, &mut [f32])> = Vec::new();
+            for (r, out) in routed.iter().zip(outs.iter_mut()) {
+                for (&id, slot) in r.ids.iter().zip(out.chunks_mut(stride)) {
+                    if let Ok(g) = group.binary_search(&id) {
+                        tasks.push((&r.xin, &ews[g], slot));
+                    }
+                }
+            }
+            pool.for_each_chunk(&mut tasks, 1, |_, t| {
+                let (xin, ew, slot) = &mut t[0];
+                expert_ffn(serial, act, ff, xin, ew, slot);
+            });
+        }
+        let shared = if sw > 0 {
+            Some((
+                need(lw, l, TensorRole::SharedGate)?,
+                need(lw, l, TensorRole::SharedUp)?,
+                need(lw, l, TensorRole::SharedDown)?,
+            ))
+        } else {
+            None
+        };
+        for (i, (r, out)) in routed.iter().zip(&outs).enumerate() {
+            self.with_carry(carries, i, |ex| {
+                let (pool, s) = (&ex.pool, &mut ex.s);
+                s.xn.copy_from_slice(&r.xn);
+                s.ids[..k].copy_from_slice(&r.ids);
+                s.weights[..k].copy_from_slice(&r.weights);
+                s.experts_scratch[..k * stride].copy_from_slice(out);
+                if let Some((g, u, d)) = shared {
+                    lin_batch(
+                        pool,
+                        &s.xn,
+                        vec![(g, &mut s.ff_gate[..sw]), (u, &mut s.ff_up[..sw])],
+                    );
+                    glu(act, &s.ff_gate[..sw], &s.ff_up[..sw], &mut s.ff_h[..sw]);
+                    lin(pool, d, &s.ff_h[..sw], &mut s.tmp_d);
+                }
+                Self::moe_combine(spec, pool, s, lw, l)?;
+                ops::add_inplace(&mut s.partial, &s.mlp_out);
+                Ok(())
+            })?;
+        }
         Ok(())
     }
 

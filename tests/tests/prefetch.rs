@@ -128,6 +128,13 @@ fn bits_identical(spec: &str, seed: u64) {
             if pf.is_none() || slots == 0 {
                 assert_eq!(e.prefetched, 0, "{spec}: {label}, {pf:?}: prefetched");
                 assert_eq!(e.prefetch_hits, 0);
+            } else if slots < 3 * k {
+                // Fewer slots than three layers' guesses: a decode guess never evicts the last
+                // request's experts nor those of the layers before the guessed one, so it may
+                // find no free slot and read nothing (prompts guessed token by token before
+                // they were fed expert-major, which kept these small caches prefetching).
+                assert!(e.prefetch_hits + e.prefetch_wasted <= e.prefetched);
+                assert!(e.resident_hits + e.prefetch_hits <= e.hits);
             } else {
                 assert!(e.prefetched > 0, "{spec}: {label}: nothing prefetched");
                 assert!(e.guessed_requests > 0, "{spec}: {label}: no guesses");

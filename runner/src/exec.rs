@@ -536,9 +536,23 @@ fn expert_ffn(
     ew: &ExpertWeights<'_>,
     buf: &mut [f32],
 ) {
-    let (gate, rest) = buf.split_at_mut(ff);
-    let (up, rest) = rest.split_at_mut(ff);
-    let (h, out) = rest.split_at_mut(ff);
+    let (tmp, out) = buf.split_at_mut(3 * ff);
+    expert_ffn_into(serial, act, ff, xin, ew, tmp, out);
+}
+
+/// [`expert_ffn`] with the gate/up/h scratch (`3 * ff`) apart from the output.
+fn expert_ffn_into(
+    serial: &Pool,
+    act: Activation,
+    ff: usize,
+    xin: &[f32],
+    ew: &ExpertWeights<'_>,
+    tmp: &mut [f32],
+    out: &mut [f32],
+) {
+    let (gate, rest) = tmp.split_at_mut(ff);
+    let (up, h) = rest.split_at_mut(ff);
+    let h = &mut h[..ff];
     match ew.format {
         ExpertFormat::Mxfp4 => {
             matvec::matvec_mxfp4(serial, ew.w1_packed, ew.w1_scale, xin, gate);
@@ -1083,21 +1097,23 @@ impl<'s> Executor<'s> {
         let mut union: Vec<u32> = routed.iter().flat_map(|r| r.ids.iter().copied()).collect();
         union.sort_unstable();
         union.dedup();
-        let mut outs: Vec<Vec<f32>> = vec![vec![0.0; k * stride]; at.len()];
+        // Only each expert's output is kept ([token][rank][dz]); gate/up/h are per task.
+        let mut outs: Vec<Vec<f32>> = vec![vec![0.0; k * dz]; at.len()];
         let (pool, serial, act) = (&self.pool, &self.serial, spec.activation);
         for group in union.chunks(k.max(1)) {
             let ews = experts.experts(l, group)?;
             let mut tasks: Vec<(&[f32], &ExpertWeights<'_>, &mut [f32])> = Vec::new();
             for (r, out) in routed.iter().zip(outs.iter_mut()) {
-                for (&id, slot) in r.ids.iter().zip(out.chunks_mut(stride)) {
+                for (&id, slot) in r.ids.iter().zip(out.chunks_mut(dz)) {
                     if let Ok(g) = group.binary_search(&id) {
                         tasks.push((&r.xin, &ews[g], slot));
                     }
                 }
             }
             pool.for_each_chunk(&mut tasks, 1, |_, t| {
-                let (xin, ew, slot) = &mut t[0];
-                expert_ffn(serial, act, ff, xin, ew, slot);
+                let (xin, ew, out) = &mut t[0];
+                let mut tmp = vec![0.0; 3 * ff];
+                expert_ffn_into(serial, act, ff, xin, ew, &mut tmp, out);
             });
         }
         let shared = if sw > 0 {
@@ -1115,7 +1131,12 @@ impl<'s> Executor<'s> {
                 s.xn.copy_from_slice(&r.xn);
                 s.ids[..k].copy_from_slice(&r.ids);
                 s.weights[..k].copy_from_slice(&r.weights);
-                s.experts_scratch[..k * stride].copy_from_slice(out);
+                for (slot, o) in s.experts_scratch[..k * stride]
+                    .chunks_mut(stride)
+                    .zip(out.chunks(dz))
+                {
+                    slot[3 * ff..].copy_from_slice(o);
+                }
                 if let Some((g, u, d)) = shared {
                     lin_batch(
                         pool,

@@ -238,6 +238,12 @@ pub struct RunArgs {
     /// when guesses hold (1..=32).
     #[arg(long, value_name = "K", conflicts_with = "batch_ids")]
     pub speculate: Option<usize>,
+    /// Prompt tokens per pass over the weights (default 64, 1..=4096): a streamed trunk is
+    /// read once per chunk, so long prompts on a streamed trunk want larger chunks; each token
+    /// of a chunk holds working memory (printed with the decode state and checked with it).
+    /// The output does not depend on it.
+    #[arg(long, value_name = "N")]
+    pub prefill_chunk: Option<usize>,
     /// Worker threads (default: physical cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -540,6 +546,19 @@ pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
 }
 
 /// Worker threads: --threads, else the run config's, else physical cores.
+/// `--prefill-chunk N` into the plan (1..=4096).
+fn with_prefill_chunk(a: &RunArgs, mut plan: Plan) -> Result<Plan, Failure> {
+    if let Some(n) = a.prefill_chunk {
+        if !(1..=4096).contains(&n) {
+            return Err(Failure::usage(format!(
+                "--prefill-chunk {n}: 1..=4096 prompt tokens per pass"
+            )));
+        }
+        plan.prefill_chunk = n;
+    }
+    Ok(plan)
+}
+
 pub fn run_threads(a: &RunArgs) -> Result<usize, Failure> {
     let rc = run_config(a)?;
     Ok(a.threads
@@ -660,7 +679,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let needed = prefix_ids.len() + prompt.len() + a.n_gen;
     let positions = a.max_context.unwrap_or(needed).max(needed);
-    let plan = Plan::new(&spec, positions);
+    let plan = with_prefill_chunk(a, Plan::new(&spec, positions))?;
     eprintln!(
         "k3-run {}: {} ({} layers, d_model {}, vocab {}), {} threads, {} kernels",
         env!("CARGO_PKG_VERSION"),
@@ -1013,7 +1032,7 @@ fn load_model<'c>(
     sequences: usize,
 ) -> Result<(crate::session::Session<'c>, Executor<'c>), Failure> {
     let threads = run_threads(a)?;
-    let plan = Plan::new(spec, positions);
+    let plan = with_prefill_chunk(a, Plan::new(spec, positions))?;
     for n in notes {
         eprintln!("{n}");
     }

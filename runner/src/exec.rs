@@ -325,8 +325,9 @@ impl Scratch {
     }
 }
 
-/// Tokens per layer-major prefill call ([`Executor::prefill`]) when a prompt is fed: the
-/// trunk is streamed once per chunk; each token in flight holds one residual carry.
+/// Default tokens per layer-major prefill call ([`Executor::prefill`]) when a prompt is fed
+/// (`Plan::prefill_chunk`, `--prefill-chunk`): the trunk is streamed once per chunk; each
+/// token in flight holds its residual carry and expert outputs (`Plan::prefill_bytes`).
 pub const PREFILL_CHUNK: usize = 64;
 
 /// The per-token part of the residual stream between layers (AttnRes partial sum and
@@ -624,6 +625,11 @@ impl<'s> Executor<'s> {
         &self.pool
     }
 
+    /// Most tokens per layer-major call ([`Plan::prefill_chunk`]): callers split longer prompts.
+    pub fn prefill_chunk(&self) -> usize {
+        self.plan.prefill_chunk.max(1)
+    }
+
     /// Feed one token at position `state.n_pos`; write the f32 logits of the next token.
     pub fn step(
         &mut self,
@@ -642,7 +648,7 @@ impl<'s> Executor<'s> {
     /// in the same order with the same per-layer state, so the bits equal feeding the tokens
     /// one by one. The expert source sees one `begin_token` per call. Holds one residual
     /// carry (d_model floats per AttnRes block) per token: callers chunk long prompts
-    /// ([`PREFILL_CHUNK`]).
+    /// ([`Self::prefill_chunk`]).
     pub fn prefill(
         &mut self,
         tokens: &[u32],
@@ -805,7 +811,7 @@ impl<'s> Executor<'s> {
     /// after each sequence's last token into `logits[b]`. Every token goes through exactly the
     /// operations of [`Self::step`] on its own sequence's state, so each sequence's bits equal
     /// feeding it alone. Holds one residual carry per token: callers bound the total (the
-    /// batch driver keeps it near [`PREFILL_CHUNK`]).
+    /// batch driver keeps it near [`Self::prefill_chunk`]).
     pub fn prefill_batch(
         &mut self,
         parts: &[&[u32]],

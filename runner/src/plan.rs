@@ -63,6 +63,9 @@ pub struct Plan {
     pub global_bytes: u64,
     /// Bytes of routed experts a token touches per MoE layer (top-k experts).
     pub active_expert_bytes_per_layer: u64,
+    /// Most tokens one layer-major call feeds (a prompt chunk; `--prefill-chunk`): callers
+    /// split longer prompts. Each chunk reads a streamed trunk once.
+    pub prefill_chunk: usize,
 }
 
 impl Plan {
@@ -177,6 +180,7 @@ impl Plan {
             layers,
             global_bytes,
             active_expert_bytes_per_layer: active,
+            prefill_chunk: crate::exec::PREFILL_CHUNK,
         }
     }
 
@@ -191,6 +195,16 @@ impl Plan {
     }
     pub fn kv_bytes_per_position(&self) -> u64 {
         self.layers.iter().map(|l| l.kv_bytes_per_position).sum()
+    }
+    /// Working memory of one layer-major call of [`Self::prefill_chunk`] tokens: each
+    /// token's residual carry (the partial sum and the AttnRes block snapshots), its MoE input
+    /// and expert input, and its routed experts' outputs (expert-major MoE).
+    pub fn prefill_bytes(&self) -> u64 {
+        let b = &self.buffers;
+        let per_token = b.d_model * (b.max_attn_res_sources + 2)
+            + b.moe_latent
+            + b.n_experts_active * b.moe_latent;
+        (self.prefill_chunk * per_token * 4) as u64
     }
     /// Decode-state memory for a request of `positions` positions.
     pub fn state_bytes_for(&self, positions: usize) -> u64 {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use k3_kernels::ops;
 use k3_models::spec::ModelSpec;
 
-use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState};
+use crate::exec::{ExecError, Executor, Providers, SeqState};
 use crate::speculate::{SpecStats, Speculation, Speculator};
 
 /// How to generate.
@@ -105,7 +105,7 @@ pub fn generate_with(
     };
     // Layer-major chunks: a streamed trunk is read once per chunk, not once per prompt token
     // (same bits as feeding token by token; tests/tests/invariance.rs).
-    for chunk in req.prompt_ids.chunks(PREFILL_CHUNK) {
+    for chunk in req.prompt_ids.chunks(exec.prefill_chunk()) {
         exec.prefill(chunk, &mut state, w, &mut logits)?;
     }
     res.prefill_seconds = t0.elapsed().as_secs_f64();
@@ -167,7 +167,7 @@ pub fn generate_with(
             None => {
                 // full recompute: the starting state fed the whole prefix again
                 state = start.clone();
-                for chunk in every_id(&res).chunks(PREFILL_CHUNK) {
+                for chunk in every_id(&res).chunks(exec.prefill_chunk()) {
                     exec.prefill(chunk, &mut state, w, &mut logits)?;
                 }
             }
@@ -250,7 +250,7 @@ pub fn generate_batch(
     let mut states: Vec<SeqState> = (0..n).map(|_| SeqState::new(spec)).collect();
     let mut logits = vec![vec![0.0f32; spec.vocab_size]; n];
     let mut res = BatchResult::default();
-    // The prompts together, layer-major, in rounds of about PREFILL_CHUNK tokens in all: a
+    // The prompts together, layer-major, in rounds of about `prefill_chunk` tokens in all: a
     // streamed trunk is read once per round for every prompt.
     let mut fed = vec![0usize; n];
     loop {
@@ -258,7 +258,7 @@ pub fn generate_batch(
         if open.is_empty() {
             break;
         }
-        let per = (PREFILL_CHUNK / open.len()).max(1);
+        let per = (exec.prefill_chunk() / open.len()).max(1);
         let parts: Vec<&[u32]> = open
             .iter()
             .map(|&b| &prompts[b][fed[b]..(fed[b] + per).min(prompts[b].len())])

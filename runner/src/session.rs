@@ -325,9 +325,10 @@ pub fn check_states(
     limit: Option<u64>,
 ) -> Result<String, StreamError> {
     let n = sequences.max(1) as u64;
+    let prefill = plan.prefill_bytes();
     let state = StateMemory {
         bytes_per_position: plan.kv_bytes_per_position() * n,
-        fixed_bytes: plan.state_bytes() * n,
+        fixed_bytes: plan.state_bytes() * n + prefill,
         positions,
     };
     let per = if n > 1 {
@@ -336,10 +337,13 @@ pub fn check_states(
         String::new()
     };
     let line = format!(
-        "decode state{per}: {} fixed (KDA) + {} per position (MLA KV) x {} positions = {}",
-        fmt_bytes(state.fixed_bytes),
+        "decode state{per}: {} fixed (KDA) + {} per position (MLA KV) x {} positions + {} for \
+         prompt chunks of {} = {}",
+        fmt_bytes(plan.state_bytes() * n),
         fmt_bytes(state.bytes_per_position),
         positions,
+        fmt_bytes(prefill),
+        plan.prefill_chunk,
         fmt_bytes(state.total())
     );
     if let Some(limit) = limit {

@@ -17,7 +17,7 @@
 //! pass (no extra trunk read). Gains need text that repeats its context (code, quotes,
 //! edits); on text that does not, the drafter mostly finds nothing and nothing is spent.
 
-use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState, StateMark};
+use crate::exec::{ExecError, Executor, Providers, SeqState, StateMark};
 
 /// How to speculate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,7 +192,8 @@ impl Speculator {
             state.rewind(m);
         }
         let mut scratch = vec![0.0f32; exec.spec().vocab_size];
-        for chunk in all[state.n_pos.min(target) - base..target - base].chunks(PREFILL_CHUNK) {
+        let chunk_len = exec.prefill_chunk();
+        for chunk in all[state.n_pos.min(target) - base..target - base].chunks(chunk_len) {
             exec.prefill(chunk, state, w, &mut scratch)?;
         }
         self.pending.clear();

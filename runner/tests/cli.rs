@@ -328,6 +328,49 @@ fn full_recompute_threads_and_isa_give_the_same_bits_through_the_cli() {
     assert_eq!(dump_inc, dump_full, "first-step logit bytes");
 }
 
+/// `--prefill-chunk`: token by token (1, the one-token MoE path), uneven chunks (3) and one
+/// chunk for everything give the same ids and first-step bytes, incremental and in full
+/// recompute (which feeds the whole prefix each step); the working memory is printed with the
+/// decode state; 0 and 4097 are usage errors.
+#[test]
+fn prefill_chunk_changes_no_bit() {
+    let (base, dump, _) = run_a(&["--incremental"], &[]);
+    for extra in [
+        &["--incremental", "--prefill-chunk", "1"][..],
+        &["--incremental", "--prefill-chunk", "3"][..],
+        &["--prefill-chunk", "1"][..],
+        &["--prefill-chunk", "4096", "--threads", "2"][..],
+    ] {
+        let (j, d, _) = run_a(extra, &[]);
+        assert_eq!(j["generated_ids"], base["generated_ids"], "{extra:?}");
+        assert_eq!(
+            j["first_logits_hash"], base["first_logits_hash"],
+            "{extra:?}"
+        );
+        assert_eq!(d, dump, "{extra:?}: first-step logit bytes");
+    }
+    let a = fixture_a();
+    let o = k3(&[
+        a.to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--gen",
+        "1",
+        "--prefill-chunk",
+        "5",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("for prompt chunks of 5"),
+        "{}",
+        stderr(&o)
+    );
+    for bad in ["0", "4097"] {
+        let o = k3(&[a.to_str().unwrap(), "--ids", "1", "--prefill-chunk", bad]);
+        expect_fail(&o, 2, &["--prefill-chunk"]);
+    }
+}
+
 #[test]
 fn unknown_k3_isa_is_a_usage_error() {
     let a = fixture_a();

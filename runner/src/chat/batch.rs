@@ -26,7 +26,7 @@ use super::session::{
     Event, Prefill, SessionConfig, SessionError, Stop, TurnDecoder, TurnOutcome, end_of_msg_id,
     prompt_ids,
 };
-use crate::exec::{ExecError, Executor, PREFILL_CHUNK, Providers, SeqState};
+use crate::exec::{ExecError, Executor, Providers, SeqState};
 
 /// One request: the rendered prompt (transcript + generation prompt), its turn settings and
 /// the caller's sink (where its text and result go).
@@ -273,7 +273,7 @@ impl<'s, S> Batcher<'s, S> {
     }
 
     /// One step of every running request: prompt chunks for those still prefilling (together
-    /// about [`PREFILL_CHUNK`] ids with the decoders' one each), the last generated id for
+    /// about [`Executor::prefill_chunk`] ids with the decoders' one each), the last generated id for
     /// the others, in ONE layer-major pass; then each request that has logits draws its next
     /// id (its text goes to `emit`, which returns false when the request's client is gone:
     /// it ends as interrupted). Returns the requests that ended. An `Err` is the forward
@@ -303,7 +303,8 @@ impl<'s, S> Batcher<'s, S> {
             .count();
         let n_prefill = n - n_decode;
         // Each prefilling request's share of the chunk (at least one id).
-        let per = PREFILL_CHUNK
+        let per = exec
+            .prefill_chunk()
             .saturating_sub(n_decode)
             .checked_div(n_prefill)
             .unwrap_or(0)

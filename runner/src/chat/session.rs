@@ -447,7 +447,7 @@ impl<'s> Session<'s> {
             seconds: 0.0,
         };
         // Layer-major chunks: the trunk is read once per chunk, not once per token.
-        for chunk in target[reused..].chunks(crate::exec::PREFILL_CHUNK) {
+        for chunk in target[reused..].chunks(exec.prefill_chunk()) {
             if interrupt.load(Ordering::Relaxed) {
                 break;
             }

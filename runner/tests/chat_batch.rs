@@ -12,39 +12,16 @@ use k3_models::spec::ModelSpec;
 use k3_run::chat::batch::{Batcher, Finished, Job};
 use k3_run::chat::sample::Sampling;
 use k3_run::chat::session::{Event, Session, SessionConfig, Stop, TurnOutcome};
-use k3_run::checkpoint::Checkpoint;
 use k3_run::exec::{Executor, PREFILL_CHUNK, Providers, SeqState};
 use k3_run::plan::Plan;
-use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
-use k3_text::chat::{Message, Role, Thinking};
+use k3_text::chat::{Message, Role};
 use k3_text::reply::Channel;
 use k3_text::tokenizer::Tokenizer;
 
-fn synth_chat_model() -> (tempfile::TempDir, std::path::PathBuf, ModelSpec, Checkpoint) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = chat_support::synth_model(dir.path());
-    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
-    let ckpt = Checkpoint::open(&model, &spec).expect("checkpoint");
-    (dir, model, spec, ckpt)
-}
-
-fn resident<'c>(spec: &'c ModelSpec, ckpt: &'c Checkpoint) -> Providers<'c> {
-    Providers {
-        trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
-        experts: Box::new(ResidentExperts::new(spec, ckpt)),
-        global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("globals")),
-    }
-}
+use chat_support::{resident, synth_chat_model};
 
 fn config(n_gen: usize, sampling: Sampling, incremental: bool) -> SessionConfig {
-    SessionConfig {
-        thinking: Thinking::default(),
-        n_gen,
-        incremental,
-        sampling,
-        extra_stop_ids: Vec::new(),
-        speculate: None,
-    }
+    chat_support::session_config(n_gen, sampling, incremental)
 }
 
 /// A request: the conversation (ending with the user's message), its limit and sampling.

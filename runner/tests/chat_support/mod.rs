@@ -344,3 +344,47 @@ impl Drop for Pty {
         }
     }
 }
+
+/// The synthetic chat model in a fresh temporary directory (kept alive by the first value):
+/// its path, spec and open checkpoint (in-process session tests).
+pub fn synth_chat_model() -> (
+    tempfile::TempDir,
+    PathBuf,
+    k3_models::spec::ModelSpec,
+    k3_run::checkpoint::Checkpoint,
+) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
+    let ckpt = k3_run::checkpoint::Checkpoint::open(&model, &spec).expect("checkpoint");
+    (dir, model, spec, ckpt)
+}
+
+/// Resident providers of an open checkpoint.
+pub fn resident<'c>(
+    spec: &'c k3_models::spec::ModelSpec,
+    ckpt: &'c k3_run::checkpoint::Checkpoint,
+) -> k3_run::exec::Providers<'c> {
+    use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+    k3_run::exec::Providers {
+        trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
+        experts: Box::new(ResidentExperts::new(spec, ckpt)),
+        global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("globals")),
+    }
+}
+
+/// Session settings: thinking on (default), no extra stop ids, no speculation.
+pub fn session_config(
+    n_gen: usize,
+    sampling: k3_run::chat::sample::Sampling,
+    incremental: bool,
+) -> k3_run::chat::session::SessionConfig {
+    k3_run::chat::session::SessionConfig {
+        thinking: k3_text::chat::Thinking::default(),
+        n_gen,
+        incremental,
+        sampling,
+        extra_stop_ids: Vec::new(),
+        speculate: None,
+    }
+}

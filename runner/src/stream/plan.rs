@@ -50,9 +50,10 @@ pub enum PlanError {
     EmptyTrunk,
     #[error(
         "KV cache and recurrent state for {positions} positions need {} ({} per position x \
-         {positions} + {} fixed), but only {} remain ({} memory limit minus {} already planned \
-         for trunk, expert cache and global tensors); shorten the request (prompt + --gen), or \
-         lower the budgets",
+         {positions} + {} fixed, prompt-chunk working memory included), but only {} remain ({} memory limit minus {} already planned \
+         for trunk, expert cache and global tensors); shorten the request (prompt + --gen; \
+         --max-context for --chat / --serve), decode fewer sequences together (--batch-ids, \
+         --serve-batch), use smaller --prefill-chunk, or lower the budgets",
         fmt_bytes(*need), fmt_bytes(*per_position), fmt_bytes(*fixed),
         fmt_bytes(limit.saturating_sub(*planned)), fmt_bytes(*limit), fmt_bytes(*planned)
     )]

@@ -546,6 +546,22 @@ pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
 }
 
 /// Worker threads: --threads, else the run config's, else physical cores.
+/// A progress bar over the prompt's token-layers (`tokens` x `layers`) when stderr is a
+/// terminal and the prompt has more than one token; `None` otherwise.
+fn prompt_progress(tokens: usize, layers: usize) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if tokens < 2 || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new((tokens * layers) as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "prompt of {tokens} tokens [{{bar:30}}] {{percent:>3}}% ({{elapsed}}, ETA {{eta}})"
+    )) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    Some(bar)
+}
+
 /// `--prefill-chunk N` into the plan (1..=4096).
 fn with_prefill_chunk(a: &RunArgs, mut plan: Plan) -> Result<Plan, Failure> {
     if let Some(n) = a.prefill_chunk {
@@ -732,9 +748,17 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         stop_ids: a.stop_ids.clone(),
     };
     let providers = &mut session.providers;
+    // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal.
+    let bar = prompt_progress(req.prompt_ids.len(), spec.n_layers);
+    if let Some(b) = bar.clone() {
+        exec.set_layer_hook(Some(Box::new(move |n| b.inc(n as u64))));
+    }
     let time_to_first_token = std::cell::Cell::new(None::<f64>);
     let mut on_token = |i: usize, id: u32, t: f64| {
         if i == 0 {
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
             time_to_first_token.set(Some(run_start.elapsed().as_secs_f64()));
         }
         println!("token {i:>4}: {id:>7}  ({t:.3} s)");
@@ -749,6 +773,10 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         speculation,
         &mut on_token,
     );
+    exec.set_layer_hook(None);
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
     let mut spec_stats = None;
     let res = res.map(|(r, st, end)| {
         spec_stats = st;

@@ -360,7 +360,13 @@ pub struct Executor<'s> {
     s: Scratch,
     /// Expert-prefetch guess buffers (allocated on first use; never read by the real path).
     guess: Option<GuessScratch>,
+    /// Called after each layer of a multi-token call with the tokens it fed (progress of a
+    /// long prompt: one pass over a streamed trunk can take minutes).
+    layer_hook: Option<LayerHook<'s>>,
 }
+
+/// See [`Executor::set_layer_hook`].
+pub type LayerHook<'h> = Box<dyn FnMut(usize) + 'h>;
 
 /// Scratch of the expert-prefetch guess, separate from [`Scratch`] so the guess cannot touch
 /// anything the real forward pass reads.
@@ -609,6 +615,22 @@ impl<'s> Executor<'s> {
             fetch: IoThreads::new(1, "k3-expert-fetch"),
             s,
             guess: None,
+            layer_hook: None,
+        }
+    }
+
+    /// A function called after each layer of every multi-token call (prompt chunks, batch
+    /// steps, verify passes) with the number of tokens the call feeds; `None` removes it.
+    /// For progress display only: it cannot change any bit.
+    pub fn set_layer_hook(&mut self, hook: Option<LayerHook<'s>>) {
+        self.layer_hook = hook;
+    }
+
+    fn layer_done(&mut self, tokens: usize) {
+        if tokens > 1
+            && let Some(h) = self.layer_hook.as_mut()
+        {
+            h(tokens);
         }
     }
 
@@ -774,6 +796,7 @@ impl<'s> Executor<'s> {
                     std::slice::from_mut(state),
                     experts,
                 )?;
+                self.layer_done(tokens.len());
                 continue;
             }
             for t in 0..tokens.len() {
@@ -783,6 +806,7 @@ impl<'s> Executor<'s> {
                     ex.layer(l, &lw, ahead, st, state.n_pos + t, experts)
                 })?;
             }
+            self.layer_done(tokens.len());
         }
         state.n_pos += tokens.len();
         Ok(Some(carries))
@@ -871,6 +895,7 @@ impl<'s> Executor<'s> {
             if at.len() > 1 && spec.layers[l].ffn == FfnKind::Moe {
                 let experts = w.experts.as_mut();
                 self.moe_layer_many(l, &lw, &mut carries, &at, states, experts)?;
+                self.layer_done(at.len());
                 continue;
             }
             let mut k = 0;
@@ -884,6 +909,7 @@ impl<'s> Executor<'s> {
                     k += 1;
                 }
             }
+            self.layer_done(at.len());
         }
         let mut k = 0;
         for ((st, lg), p) in states.iter_mut().zip(logits.iter_mut()).zip(parts) {

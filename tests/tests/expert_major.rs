@@ -144,3 +144,48 @@ fn a_prompt_and_a_batch_read_each_routed_expert_once_per_layer() {
         }
     }
 }
+
+/// The layer hook (prompt progress) sees every layer of every multi-token call with its token
+/// count, and nothing for one-token steps; it changes no bit.
+#[test]
+fn layer_hook_counts_prompt_token_layers() {
+    let (model, _) = synth_and_pack("tiny", 3, &dir());
+    let (spec, ckpt) = open_model(&model);
+    let mut plan = Plan::new(&spec, 64);
+    plan.prefill_chunk = 8;
+    let settings = MemorySettings::default();
+    let prompt: Vec<u32> = (0..20u32).map(|i| (i * 13 + 5) % 200).collect();
+    let v = spec.vocab_size;
+    let run = |hooked: bool| {
+        let mut s = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+        let mut exec = Executor::new(&spec, plan.clone(), 2);
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        if hooked {
+            let seen = std::rc::Rc::clone(&seen);
+            exec.set_layer_hook(Some(Box::new(move |n| seen.borrow_mut().push(n))));
+        }
+        let mut st = SeqState::new(&spec);
+        let mut lg = vec![0.0; v];
+        for c in prompt.chunks(exec.prefill_chunk()) {
+            exec.prefill(c, &mut st, &mut s.providers, &mut lg)
+                .expect("prefill");
+        }
+        exec.step(7, &mut st, &mut s.providers, &mut lg)
+            .expect("step");
+        let calls = seen.borrow().clone();
+        (bits(&lg), calls)
+    };
+    let (plain, none) = run(false);
+    let (hooked, calls) = run(true);
+    assert!(none.is_empty());
+    assert_eq!(plain, hooked, "the hook changes no bit");
+    let l = spec.n_layers;
+    let want: Vec<usize> = [8, 8, 4]
+        .iter()
+        .flat_map(|&n| std::iter::repeat_n(n, l))
+        .collect();
+    assert_eq!(
+        calls, want,
+        "one call per layer per chunk, none for the step"
+    );
+}

@@ -546,20 +546,57 @@ pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
 }
 
 /// Worker threads: --threads, else the run config's, else physical cores.
-/// A progress bar over the prompt's token-layers (`tokens` x `layers`) when stderr is a
-/// terminal and the prompt has more than one token; `None` otherwise.
-fn prompt_progress(tokens: usize, layers: usize) -> Option<indicatif::ProgressBar> {
+/// Progress of a prompt on a terminal (stderr): a bar over its token-layers (`tokens` x
+/// `layers`), or a counter when the token count is not known in advance (`None`: a chat turn's
+/// prompt, which depends on the reused state); `None` when stderr is not a terminal or the
+/// prompt is one token. Fed by [`Executor::set_layer_hook`].
+pub(crate) fn prompt_progress(
+    tokens: Option<usize>,
+    layers: usize,
+) -> Option<indicatif::ProgressBar> {
     use std::io::IsTerminal;
-    if tokens < 2 || !std::io::stderr().is_terminal() {
+    if tokens.is_some_and(|t| t < 2) || !std::io::stderr().is_terminal() {
         return None;
     }
-    let bar = indicatif::ProgressBar::new((tokens * layers) as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
-        "prompt of {tokens} tokens [{{bar:30}}] {{percent:>3}}% ({{elapsed}}, ETA {{eta}})"
-    )) {
+    let (bar, template) = match tokens {
+        Some(t) => (
+            indicatif::ProgressBar::new((t * layers) as u64),
+            format!("prompt of {t} tokens [{{bar:30}}] {{percent:>3}}% ({{elapsed}}, ETA {{eta}})"),
+        ),
+        None => (
+            indicatif::ProgressBar::new_spinner(),
+            format!(
+                "{{spinner}} prompt: {{pos}} token-layers fed ({layers} per token, {{elapsed}})"
+            ),
+        ),
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
         bar.set_style(style.progress_chars("=> "));
     }
     Some(bar)
+}
+
+/// Run `f` with [`prompt_progress`] fed by the executor's layer hook; the bar is cleared when
+/// `f` returns (or earlier by `f` through the handle it gets).
+pub(crate) fn with_prompt_progress<'s, T>(
+    exec: &mut Executor<'s>,
+    tokens: Option<usize>,
+    f: impl FnOnce(&mut Executor<'s>, Option<&indicatif::ProgressBar>) -> T,
+) -> T {
+    let bar = prompt_progress(tokens, exec.spec().n_layers);
+    if let Some(b) = bar.clone() {
+        exec.set_layer_hook(Some(Box::new(move |n| {
+            if !b.is_finished() {
+                b.inc(n as u64);
+            }
+        })));
+    }
+    let r = f(exec, bar.as_ref());
+    exec.set_layer_hook(None);
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    r
 }
 
 /// `--prefill-chunk N` into the plan (1..=4096).
@@ -748,35 +785,30 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         stop_ids: a.stop_ids.clone(),
     };
     let providers = &mut session.providers;
-    // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal.
-    let bar = prompt_progress(req.prompt_ids.len(), spec.n_layers);
-    if let Some(b) = bar.clone() {
-        exec.set_layer_hook(Some(Box::new(move |n| b.inc(n as u64))));
-    }
     let time_to_first_token = std::cell::Cell::new(None::<f64>);
-    let mut on_token = |i: usize, id: u32, t: f64| {
-        if i == 0 {
-            if let Some(b) = &bar {
-                b.finish_and_clear();
+    // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal,
+    // cleared before the first token is printed.
+    let res = with_prompt_progress(&mut exec, Some(req.prompt_ids.len()), |exec, bar| {
+        let mut on_token = |i: usize, id: u32, t: f64| {
+            if i == 0 {
+                if let Some(b) = bar {
+                    b.finish_and_clear();
+                }
+                time_to_first_token.set(Some(run_start.elapsed().as_secs_f64()));
             }
-            time_to_first_token.set(Some(run_start.elapsed().as_secs_f64()));
-        }
-        println!("token {i:>4}: {id:>7}  ({t:.3} s)");
-        !interrupted.load(Ordering::Relaxed)
-    };
-    let res = run::generate_with(
-        &spec,
-        &mut exec,
-        providers,
-        &req,
-        start,
-        speculation,
-        &mut on_token,
-    );
-    exec.set_layer_hook(None);
-    if let Some(b) = &bar {
-        b.finish_and_clear();
-    }
+            println!("token {i:>4}: {id:>7}  ({t:.3} s)");
+            !interrupted.load(Ordering::Relaxed)
+        };
+        run::generate_with(
+            &spec,
+            exec,
+            providers,
+            &req,
+            start,
+            speculation,
+            &mut on_token,
+        )
+    });
     let mut spec_stats = None;
     let res = res.map(|(r, st, end)| {
         spec_stats = st;

@@ -494,7 +494,10 @@ fn repl_loop(
     interrupt: &AtomicBool,
     max: usize,
 ) -> Result<u8, Failure> {
-    match session.prefill_transcript(exec, providers, interrupt) {
+    let pre = crate::cli::with_prompt_progress(exec, None, |exec, _| {
+        session.prefill_transcript(exec, providers, interrupt)
+    });
+    match pre {
         Ok(Some(p)) if p.total > 0 => {
             print!("(transcript) ");
             print_prefill(&p);
@@ -567,9 +570,16 @@ fn repl_loop(
 
         interrupt.store(false, Ordering::Relaxed);
         let mut printer = Printer::new();
-        let outcome = session.turn(exec, providers, message, interrupt, &mut |ev| match ev {
-            Event::Prefilled(p) => print_prefill(&p),
-            Event::Text { channel, text } => printer.text(channel, text),
+        let outcome = crate::cli::with_prompt_progress(exec, None, |exec, bar| {
+            session.turn(exec, providers, message, interrupt, &mut |ev| match ev {
+                Event::Prefilled(p) => {
+                    if let Some(b) = bar {
+                        b.finish_and_clear();
+                    }
+                    print_prefill(&p)
+                }
+                Event::Text { channel, text } => printer.text(channel, text),
+            })
         });
         printer.finish_line();
         let outcome = match outcome {

@@ -1,6 +1,6 @@
 //! The `--chat` REPL scripted through a pipe (stdin not a terminal): seeded sampling
 //! reproduces per turn, incremental reuse changes nothing, history validation, context
-//! limits, and models that cannot chat. Small synthetic model, small `--gen`.
+//! limits, and models that cannot chat (nor serve). Small synthetic model, small `--gen`.
 
 mod chat_support;
 
@@ -228,6 +228,22 @@ fn models_and_flags_that_cannot_chat_are_refused_clearly() {
         err.contains("outside the model's vocabulary of 256 ids"),
         "{err}"
     );
+    // The server refuses it at start, before listening, one request at a time or batched.
+    for extra in [&[][..], &["--serve-batch", "2"][..]] {
+        let o = std::process::Command::new(chat_support::bin())
+            .arg(&tiny)
+            .args(["--serve", "127.0.0.1:0"])
+            .args(extra)
+            .output()
+            .expect("run --serve");
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {out}{err}");
+        assert!(!out.contains("listening"), "{extra:?}: {out}");
+        assert!(err.contains("outside the model's vocabulary"), "{err}");
+    }
 
     let model = synth_model(dir.path());
     for (flags, needle) in [

@@ -262,6 +262,16 @@ pub fn main(
     let addr = run.chat.serve.as_deref().unwrap_or("127.0.0.1:8080");
     // Each request sets its own sampling and limit.
     let cfg = session_config(spec, &tok, run, thinking, n_gen, Sampling::Greedy)?;
+    // Before listening: a tokenizer whose chat control tokens the model cannot embed is
+    // refused at start, not at the first request.
+    let max_positions = exec.plan().max_positions;
+    let mode = if batch > 1 {
+        Mode::Batched(Batcher::new(spec, tok, cfg, batch, max_positions).map_err(usage)?)
+    } else {
+        Mode::Serial(Box::new(
+            Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?,
+        ))
+    };
     let server = tiny_http::Server::http(addr)
         .map_err(|e| Failure::usage(format!("--serve {addr}: cannot listen: {e}")))?;
     let bound = server
@@ -300,22 +310,20 @@ pub fn main(
         .collect::<Result<_, _>>()
         .map_err(|e| Failure::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
     let mut served = 0u64;
-    let result = if batch > 1 {
-        let batcher =
-            Batcher::new(spec, tok, cfg, batch, exec.plan().max_positions).map_err(usage)?;
-        let mut srv = Batched {
-            spec,
-            server: &server,
-            bound: &bound,
-            batcher,
-            default_n_gen: n_gen,
-            window,
-            served: &mut served,
-        };
-        srv.serve(exec, providers, &stop)
-    } else {
-        let mut session = Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?;
-        loop {
+    let result = match mode {
+        Mode::Batched(batcher) => {
+            let mut srv = Batched {
+                spec,
+                server: &server,
+                bound: &bound,
+                batcher,
+                default_n_gen: n_gen,
+                window,
+                served: &mut served,
+            };
+            srv.serve(exec, providers, &stop)
+        }
+        Mode::Serial(mut session) => loop {
             if stop.load(Ordering::Relaxed) {
                 break Ok(exit::INTERRUPTED);
             }
@@ -340,13 +348,19 @@ pub fn main(
             ) {
                 break Err(f);
             }
-        }
+        },
     };
     for id in sig_ids {
         signal_hook::low_level::unregister(id);
     }
     eprintln!("k3-run serve: stopped after {served} request(s)");
     result
+}
+
+/// One request at a time on a chat session, or several together on the batch scheduler.
+enum Mode<'s> {
+    Serial(Box<Session<'s>>),
+    Batched(Batcher<'s, ReplySink>),
 }
 
 /// Answer every request but a well-formed chat completion (models list, errors); return that

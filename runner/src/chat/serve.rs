@@ -266,7 +266,9 @@ pub fn main(
     // refused at start, not at the first request.
     let max_positions = exec.plan().max_positions;
     let mode = if batch > 1 {
-        Mode::Batched(Batcher::new(spec, tok, cfg, batch, max_positions).map_err(usage)?)
+        Mode::Batched(Box::new(
+            Batcher::new(spec, tok, cfg, batch, max_positions).map_err(usage)?,
+        ))
     } else {
         Mode::Serial(Box::new(
             Session::new(spec, tok, cfg, Vec::new()).map_err(usage)?,
@@ -316,7 +318,7 @@ pub fn main(
                 spec,
                 server: &server,
                 bound: &bound,
-                batcher,
+                batcher: *batcher,
                 default_n_gen: n_gen,
                 window,
                 served: &mut served,
@@ -360,7 +362,7 @@ pub fn main(
 /// One request at a time on a chat session, or several together on the batch scheduler.
 enum Mode<'s> {
     Serial(Box<Session<'s>>),
-    Batched(Batcher<'s, ReplySink>),
+    Batched(Box<Batcher<'s, ReplySink>>),
 }
 
 /// Answer every request but a well-formed chat completion (models list, errors); return that

@@ -238,10 +238,10 @@ pub struct RunArgs {
     /// when guesses hold (1..=32).
     #[arg(long, value_name = "K", conflicts_with = "batch_ids")]
     pub speculate: Option<usize>,
-    /// Prompt tokens per pass over the weights (default 64, 1..=4096): a streamed trunk is
-    /// read once per chunk, so long prompts on a streamed trunk want larger chunks; each token
-    /// of a chunk holds working memory (printed with the decode state and checked with it).
-    /// The output does not depend on it.
+    /// Prompt tokens per pass over the weights (1..=4096; default 64, or 256 when trunk layers
+    /// are read from disk on every pass and the memory allows): a streamed trunk is read once
+    /// per chunk; each token of a chunk holds working memory (printed with the decode state and
+    /// checked with it). The output does not depend on it.
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
     /// Worker threads (default: physical cores).
@@ -599,6 +599,35 @@ pub(crate) fn with_prompt_progress<'s, T>(
     r
 }
 
+/// Prompt tokens per pass when trunk layers are read from disk on every pass and
+/// `--prefill-chunk` is not given: a long prompt then costs a quarter of the trunk reads of
+/// [`crate::exec::PREFILL_CHUNK`] (real K3 at the laptop preset: ~108 GB per pass).
+pub const STREAMED_PREFILL_CHUNK: usize = 256;
+
+/// The up-front decode-state check of `sequences` sequences of `positions` positions (the
+/// line to print), after choosing the prompt chunk: without `--prefill-chunk`, a streamed
+/// trunk takes [`STREAMED_PREFILL_CHUNK`] when its working memory fits beside the rest, else
+/// the default.
+fn check_states_and_chunk(
+    a: &RunArgs,
+    plan: &mut Plan,
+    session: &crate::session::Session<'_>,
+    (positions, sequences): (usize, usize),
+    limit: Option<u64>,
+) -> Result<String, Failure> {
+    let check = |plan: &Plan| {
+        crate::session::check_states(plan, positions, sequences, session.planned_bytes, limit)
+    };
+    if a.prefill_chunk.is_none() && !session.trunk_in_ram {
+        plan.prefill_chunk = STREAMED_PREFILL_CHUNK;
+        if let Ok(line) = check(plan) {
+            return Ok(line);
+        }
+        plan.prefill_chunk = crate::exec::PREFILL_CHUNK;
+    }
+    check(plan).map_err(stream_failure)
+}
+
 /// `--prefill-chunk N` into the plan (1..=4096).
 fn with_prefill_chunk(a: &RunArgs, mut plan: Plan) -> Result<Plan, Failure> {
     if let Some(n) = a.prefill_chunk {
@@ -732,7 +761,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let needed = prefix_ids.len() + prompt.len() + a.n_gen;
     let positions = a.max_context.unwrap_or(needed).max(needed);
-    let plan = with_prefill_chunk(a, Plan::new(&spec, positions))?;
+    let mut plan = with_prefill_chunk(a, Plan::new(&spec, positions))?;
     eprintln!(
         "k3-run {}: {} ({} layers, d_model {}, vocab {}), {} threads, {} kernels",
         env!("CARGO_PKG_VERSION"),
@@ -763,8 +792,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     eprintln!("  {}", mem_limit.report_line());
     let state_line =
-        crate::session::check_state(&plan, positions, session.planned_bytes, mem_limit.bytes())
-            .map_err(stream_failure)?;
+        check_states_and_chunk(a, &mut plan, &session, (positions, 1), mem_limit.bytes())?;
     eprintln!("  {state_line}");
     let interrupted = Arc::new(AtomicBool::new(false));
     // first Ctrl-C: finish the step in progress and stop; second: the default action (kill)
@@ -1092,7 +1120,7 @@ fn load_model<'c>(
     sequences: usize,
 ) -> Result<(crate::session::Session<'c>, Executor<'c>), Failure> {
     let threads = run_threads(a)?;
-    let plan = with_prefill_chunk(a, Plan::new(spec, positions))?;
+    let mut plan = with_prefill_chunk(a, Plan::new(spec, positions))?;
     for n in notes {
         eprintln!("{n}");
     }
@@ -1106,14 +1134,13 @@ fn load_model<'c>(
     }
     eprintln!("  {}", mem_limit.report_line());
     // every sequence holds its own decode state
-    let state_line = crate::session::check_states(
-        &plan,
-        positions,
-        sequences,
-        session.planned_bytes,
+    let state_line = check_states_and_chunk(
+        a,
+        &mut plan,
+        &session,
+        (positions, sequences),
         mem_limit.bytes(),
-    )
-    .map_err(stream_failure)?;
+    )?;
     eprintln!("  {state_line}");
     let exec = Executor::new(spec, plan, threads);
     if let Some(l) = session.configure_pool(exec.pool()) {

@@ -369,6 +369,46 @@ fn prefill_chunk_changes_no_bit() {
         let o = k3(&[a.to_str().unwrap(), "--ids", "1", "--prefill-chunk", bad]);
         expect_fail(&o, 2, &["--prefill-chunk"]);
     }
+    // Without the flag: 64 with the trunk in RAM, 256 when trunk layers are read per pass
+    // (two ring slots), the flag winning; the same ids and bytes.
+    let tmp = tempfile::tempdir().unwrap();
+    let trunk = tmp.path().join("trunk");
+    let o = k3(&["pack-trunk", a.to_str().unwrap(), trunk.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
+    let largest = m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
+        .max()
+        .unwrap();
+    let gb = format!("{:.9}", (2 * largest) as f64 / 1e9);
+    let t = trunk.to_str().unwrap();
+    for (extra, want) in [
+        (
+            &["--trunk", t, "--trunk-gb", &gb][..],
+            "prompt chunks of 256",
+        ),
+        (
+            &["--trunk", t, "--trunk-gb", &gb, "--prefill-chunk", "9"][..],
+            "prompt chunks of 9",
+        ),
+        (&["--threads", "1"][..], "prompt chunks of 64"),
+    ] {
+        let mut args = vec!["--incremental"];
+        args.extend_from_slice(extra);
+        let (j, d, _) = run_a(&args, &[]);
+        assert_eq!(j["generated_ids"], base["generated_ids"], "{extra:?}");
+        assert_eq!(d, dump, "{extra:?}");
+        let o = k3(&[
+            &[a.to_str().unwrap(), "--ids", "1,2", "--gen", "1"][..],
+            &args,
+        ]
+        .concat());
+        assert!(stderr(&o).contains(want), "{extra:?}: {}", stderr(&o));
+    }
 }
 
 #[test]

@@ -306,6 +306,13 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
+            "  prompt chunks  {:>12.3} MB working memory for {} tokens per pass ({:.3} MB per token; --prefill-chunk)",
+            self.prefill_bytes() as f64 / 1e6,
+            self.prefill_chunk,
+            self.prefill_bytes() as f64 / 1e6 / self.prefill_chunk.max(1) as f64
+        )?;
+        writeln!(
+            f,
             "  layer  attn  ffn    trunk_bytes  expert_bytes  state_bytes  kv_bytes/pos"
         )?;
         for l in &self.layers {

@@ -346,6 +346,56 @@ impl Carry {
     }
 }
 
+/// The router settings of a MoE layer, selecting `top_k` experts (the real routing: the
+/// layer's top-k; a prefetch guess: top-k plus its margin).
+fn router_cfg(p: &k3_models::spec::MoeSpec, top_k: usize) -> router::RouterCfg {
+    router::RouterCfg {
+        top_k,
+        scoring: match p.scoring {
+            RouterScoring::Sigmoid => router::Scoring::Sigmoid,
+            RouterScoring::Softmax => router::Scoring::Softmax,
+        },
+        renormalize: p.renormalize,
+        scale: p.routed_scaling_factor,
+    }
+}
+
+/// The widths of a MoE layer, derived once from the spec.
+struct MoeDims<'s> {
+    p: &'s k3_models::spec::MoeSpec,
+    /// Routed experts.
+    ne: usize,
+    /// Experts per token (top-k).
+    k: usize,
+    /// Expert FFN width.
+    ff: usize,
+    /// Expert input/output width: the latent, or d_model without latent MoE.
+    dz: usize,
+    /// Fused shared-expert width (`ff * n_shared_experts`).
+    sw: usize,
+    /// One routed expert's scratch slot `[gate ff | up ff | h ff | out dz]`.
+    stride: usize,
+}
+
+impl<'s> MoeDims<'s> {
+    fn of(spec: &'s ModelSpec) -> MoeDims<'s> {
+        let p = spec
+            .moe
+            .as_ref()
+            .expect("validated: MoE layers have a MoeSpec");
+        let (ff, dz) = (p.d_expert_ff, p.d_latent.unwrap_or(spec.d_model));
+        MoeDims {
+            p,
+            ne: p.n_experts,
+            k: p.n_experts_active,
+            ff,
+            dz,
+            sw: ff * p.n_shared_experts,
+            stride: 3 * ff + dz,
+        }
+    }
+}
+
 /// Runs the forward pass. One executor per model; sequences are [`SeqState`]s.
 pub struct Executor<'s> {
     spec: &'s ModelSpec,
@@ -528,29 +578,20 @@ fn experts_with_rows(
     }
     tasks.extend(row_tasks);
     pool.for_each_chunk(&mut tasks, 1, |_, t| match &mut t[0] {
-        Work::Expert(ew, buf) => expert_ffn(serial, act, ff, xin, ew, buf),
+        Work::Expert(ew, buf) => {
+            // the slot is [gate ff | up ff | h ff | out]
+            let (tmp, out) = buf.split_at_mut(3 * ff);
+            expert_ffn(serial, act, ff, xin, ew, tmp, out);
+        }
         Work::Rows(w, o) => matvec::matvec_bf16(serial, w, x, o),
     });
 }
 
-/// One routed expert on one thread into its scratch slot `[gate ff | up ff | h ff | out]`:
-/// `out = W2 glu(W1 xin, W3 xin)`, each matvec the canonical row order (MXFP4 or BF16
-/// weights; both kernels accumulate in the same canonical order, so an expert stored as BF16
-/// holding the exact values of an MXFP4 one gives the same bits).
+/// One routed expert on one thread: `out = W2 glu(W1 xin, W3 xin)` with `tmp` (`3 * ff`) as
+/// the gate / up / h scratch, each matvec the canonical row order (MXFP4 or BF16 weights; both
+/// kernels accumulate in the same canonical order, so an expert stored as BF16 holding the
+/// exact values of an MXFP4 one gives the same bits).
 fn expert_ffn(
-    serial: &Pool,
-    act: Activation,
-    ff: usize,
-    xin: &[f32],
-    ew: &ExpertWeights<'_>,
-    buf: &mut [f32],
-) {
-    let (tmp, out) = buf.split_at_mut(3 * ff);
-    expert_ffn_into(serial, act, ff, xin, ew, tmp, out);
-}
-
-/// [`expert_ffn`] with the gate/up/h scratch (`3 * ff`) apart from the output.
-fn expert_ffn_into(
     serial: &Pool,
     act: Activation,
     ff: usize,
@@ -1078,14 +1119,15 @@ impl<'s> Executor<'s> {
         experts: &mut dyn ExpertSource,
     ) -> Result<(), ExecError> {
         let spec = self.spec;
-        let p = spec
-            .moe
-            .as_ref()
-            .expect("validated: MoE layers have a MoeSpec");
-        let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
-        let dz = p.d_latent.unwrap_or(spec.d_model);
-        let sw = ff * p.n_shared_experts;
-        let stride = 3 * ff + dz;
+        let MoeDims {
+            p,
+            ne,
+            k,
+            ff,
+            dz,
+            sw,
+            stride,
+        } = MoeDims::of(spec);
         // Per token: the MoE input, the expert input (latent z or the MoE input), the routing.
         struct Routed {
             xn: Vec<f32>,
@@ -1152,7 +1194,7 @@ impl<'s> Executor<'s> {
             pool.for_each_chunk(&mut tasks, 1, |_, t| {
                 let (xin, ew, out) = &mut t[0];
                 let mut tmp = vec![0.0; 3 * ff];
-                expert_ffn_into(serial, act, ff, xin, ew, &mut tmp, out);
+                expert_ffn(serial, act, ff, xin, ew, &mut tmp, out);
             });
         }
         let shared = if sw > 0 {
@@ -1346,15 +1388,7 @@ impl<'s> Executor<'s> {
         } else {
             None
         };
-        let cfg = router::RouterCfg {
-            top_k: n,
-            scoring: match p.scoring {
-                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
-                RouterScoring::Softmax => router::Scoring::Softmax,
-            },
-            renormalize: p.renormalize,
-            scale: p.routed_scaling_factor,
-        };
+        let cfg = router_cfg(p, n);
         router::route(
             &g.logits[..ne],
             bias,
@@ -1692,13 +1726,15 @@ impl<'s> Executor<'s> {
         l: usize,
         experts: &mut dyn ExpertSource,
     ) -> Result<(), ExecError> {
-        let p = spec
-            .moe
-            .as_ref()
-            .expect("validated: MoE layers have a MoeSpec");
-        let (ne, k, ff) = (p.n_experts, p.n_experts_active, p.d_expert_ff);
-        let dz = p.d_latent.unwrap_or(spec.d_model);
-        let sw = ff * p.n_shared_experts;
+        let MoeDims {
+            p,
+            ne,
+            k,
+            ff,
+            dz,
+            sw,
+            ..
+        } = MoeDims::of(spec);
         // With a provider that reads from disk, the routed experts' reads overlap the work
         // that does not need them (latent down-projection, shared experts): the router runs
         // alone, `experts()` runs on a scoped helper thread while the pool computes the rest.
@@ -1895,15 +1931,7 @@ impl<'s> Executor<'s> {
         l: usize,
     ) -> Result<(), ExecError> {
         let (ne, k) = (p.n_experts, p.n_experts_active);
-        let cfg = router::RouterCfg {
-            top_k: k,
-            scoring: match p.scoring {
-                RouterScoring::Sigmoid => router::Scoring::Sigmoid,
-                RouterScoring::Softmax => router::Scoring::Softmax,
-            },
-            renormalize: p.renormalize,
-            scale: p.routed_scaling_factor,
-        };
+        let cfg = router_cfg(p, k);
         let bias = if p.has_score_bias {
             let n = widen(need(lw, l, TensorRole::RouterBias)?, &mut s.w_a);
             Some(&s.w_a[..n])
@@ -1931,14 +1959,15 @@ impl<'s> Executor<'s> {
         lw: &LayerWeights<'_>,
         l: usize,
     ) -> Result<(), ExecError> {
-        let p = spec
-            .moe
-            .as_ref()
-            .expect("validated: MoE layers have a MoeSpec");
-        let (k, ff) = (p.n_experts_active, p.d_expert_ff);
-        let dz = p.d_latent.unwrap_or(spec.d_model);
-        let sw = ff * p.n_shared_experts;
-        let stride = 3 * ff + dz;
+        let MoeDims {
+            p,
+            k,
+            ff,
+            dz,
+            sw,
+            stride,
+            ..
+        } = MoeDims::of(spec);
         s.acc[..dz].fill(0.0);
         for j in 0..k {
             let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];

@@ -14,7 +14,8 @@
 //!
 //! Environment: `K3_ISA` forces the path for the headline rows; `K3_BENCH_ALL_ISA=1` adds a
 //! row per available ISA and the per-token kernels table; `K3_BENCH_OPS_ONLY=1` prints only
-//! that table (every ISA); `K3_BENCH_REPS=n` sets the repetitions.
+//! that table (every ISA); `K3_BENCH_REPS=n` sets the repetitions; `K3_BENCH_MANY=1` prints
+//! only the several-inputs table (a prompt pass: one weight read for n inputs, one thread).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -23,7 +24,7 @@ use k3_kernels::Pool;
 use k3_kernels::attn::{MlaCache, MlaShape, mla_attend_with};
 use k3_kernels::isa::{self, Isa};
 use k3_kernels::kda::{KdaStep, conv_step_with, kda_step_with};
-use k3_kernels::matvec::{matvec_bf16_with, matvec_mxfp4_with};
+use k3_kernels::matvec::{matvec_bf16_with, matvec_mxfp4_with, rows_bf16_many_with};
 use k3_kernels::ops::{rmsnorm_with, situ_glu_with, softmax_inplace_with};
 use k3_kernels::router::{RouterCfg, Scoring, route_with};
 
@@ -366,6 +367,11 @@ fn main() {
         return;
     }
 
+    if std::env::var("K3_BENCH_MANY").is_ok_and(|v| v == "1") {
+        bench_many(&isas, reps);
+        return;
+    }
+
     let probe = Probe {
         pool: &pool_one,
         buf: (0..GIB / 8).map(|i| i as u64 * 0x9E37_79B9).collect(),
@@ -421,5 +427,57 @@ fn main() {
     }
     if all_isa {
         bench_ops(&isas, [&pool_one, &pool_all], reps);
+    }
+}
+
+/// One thread, a 176 MB bf16 matrix (far beyond the caches) times n inputs: n one-input
+/// matvecs (the weights stream from memory n times) against one `rows_bf16_many` call (once).
+/// Figures are input-weight products per second (G MAC/s), medians of the reps.
+fn bench_many(isas: &[Isa], reps: usize) {
+    let (rows, cols) = (12288, 7168);
+    let w = fill_u16(rows * cols, 11);
+    let pool = Pool::new(1);
+    println!(
+        "{:<10} {:>7} {:>4} {:>16} {:>16} {:>7}",
+        "shape", "isa", "n", "one by one GMAC/s", "many GMAC/s", "ratio"
+    );
+    for &isa in isas {
+        for n in [1usize, 4, 16, 64] {
+            let xs: Vec<Vec<f32>> = (0..n)
+                .map(|t| {
+                    fill_u16(cols, 100 + t as u64)
+                        .iter()
+                        .map(|&b| f32::from_bits((b as u32) << 16) * 30.0)
+                        .collect()
+                })
+                .collect();
+            let mut outs = vec![vec![0.0f32; rows]; n];
+            let macs = (rows * cols * n) as f64;
+            let (mut one, mut many) = (Vec::new(), Vec::new());
+            for _ in 0..reps.div_ceil(3).max(2) {
+                let t0 = Instant::now();
+                for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                    matvec_bf16_with(isa, &pool, &w, x, o);
+                }
+                one.push(macs / t0.elapsed().as_secs_f64());
+                black_box(&outs);
+                let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+                let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                let t0 = Instant::now();
+                rows_bf16_many_with(isa, &w, &xr, &mut or);
+                many.push(macs / t0.elapsed().as_secs_f64());
+                black_box(&outs);
+            }
+            let (a, b) = (median(one), median(many));
+            println!(
+                "{:<10} {:>7} {:>4} {:>16.2} {:>16.2} {:>6.2}x",
+                format!("{rows}x{cols}"),
+                isa.name(),
+                n,
+                a / 1e9,
+                b / 1e9,
+                b / a
+            );
+        }
     }
 }

@@ -119,6 +119,48 @@ pub fn matvec_bf16_with(isa: Isa, pool: &Pool, w: &[u16], x: &[f32], out: &mut [
     });
 }
 
+/// Weight bytes of one block of [`rows_bf16_many`]: a block is applied to every input while
+/// it is in the core's cache.
+pub const MANY_BLOCK_BYTES: usize = 64 * 1024;
+
+/// bf16 weights `w: [rows, cols]` times SEVERAL inputs on the calling thread: `outs[t] = W
+/// xs[t]` (`rows = outs[t].len()`, `cols = xs[t].len()`), each output bit-identical to
+/// [`matvec_bf16`] of that input alone (the same row kernel on the same row and input). The
+/// rows are taken in blocks of about [`MANY_BLOCK_BYTES`], each applied to every input while
+/// it is in cache, so `w` streams from memory once for all inputs instead of once per input.
+/// Callers split rows across threads (the executor's prompt passes).
+pub fn rows_bf16_many(w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    rows_bf16_many_with(active(), w, xs, outs)
+}
+
+/// [`rows_bf16_many`] on a forced path.
+pub fn rows_bf16_many_with(isa: Isa, w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    assert_eq!(xs.len(), outs.len(), "rows_bf16_many: one output per input");
+    let Some(first) = outs.first() else { return };
+    let (rows, cols) = (first.len(), xs[0].len());
+    assert!(
+        xs.iter().all(|x| x.len() == cols) && outs.iter().all(|o| o.len() == rows),
+        "rows_bf16_many: inputs (or outputs) differ in length"
+    );
+    assert_eq!(
+        w.len(),
+        rows * cols,
+        "rows_bf16_many: w.len() != rows * cols"
+    );
+    let isa = resolve(isa);
+    // whole groups of 8 rows (the SIMD paths keep 8 rows in flight)
+    let block = (MANY_BLOCK_BYTES / (cols * 2).max(1)).max(1).div_ceil(8) * 8;
+    let mut r0 = 0;
+    while r0 < rows {
+        let r1 = (r0 + block).min(rows);
+        let wb = &w[r0 * cols..r1 * cols];
+        for (x, o) in xs.iter().zip(outs.iter_mut()) {
+            crate::simd::rows_bf16(isa, wb, x, &mut o[r0..r1]);
+        }
+        r0 = r1;
+    }
+}
+
 /// f32 weights `w: [rows, cols]` times `x: [cols]` into `out: [rows]`. Order: module doc.
 pub fn matvec_f32(pool: &Pool, w: &[f32], x: &[f32], out: &mut [f32]) {
     matvec_f32_with(active(), pool, w, x, out)

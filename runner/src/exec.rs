@@ -19,11 +19,14 @@
 use std::borrow::Cow;
 
 use k3_kernels::par::{Pool, stream_row_chunk};
+
+mod rows;
 use k3_kernels::{attn, attnres, kda, matvec, ops, router};
 use k3_models::spec::{
     Activation, AttnKind, DType, ExpertFormat, FfnKind, KdaGateSpec, ModelSpec, RouterScoring,
     TensorRole,
 };
+use rows::{Rows, carve, lin_many};
 
 use crate::plan::Plan;
 use crate::stream::blocking::IoThreads;
@@ -63,13 +66,12 @@ pub struct KdaState {
     pub s: Vec<f32>,
 }
 
-/// One KDA head's slices for the per-head dispatch of [`Executor::kda`]: conv histories of
-/// q, k, v, the recurrent state, the conv outputs (q, k, v) and the attention output.
+/// One KDA head's task in the per-head dispatch of [`Executor::kda_many`].
 struct KdaHead<'a> {
-    conv: [&'a mut [f32]; 3],
-    state: &'a mut [f32],
-    out: [&'a mut [f32]; 3],
-    o: &'a mut [f32],
+    /// Each sequence's conv windows (q, k, v) and state of this head.
+    seqs: Vec<([&'a mut [f32]; 3], &'a mut [f32])>,
+    /// This head's output of each token of the pass.
+    outs: Vec<&'a mut [f32]>,
 }
 
 /// `v` cut into `h` slices of `n` (empty slices when `n == 0`).
@@ -222,7 +224,6 @@ struct Scratch {
     /// [d_model] each
     x: Vec<f32>,
     xn: Vec<f32>,
-    attn_out: Vec<f32>,
     mlp_out: Vec<f32>,
     tmp_d: Vec<f32>,
     /// AttnRes: completed block sums (+ embedding), each [d_model]; partial sum [d_model].
@@ -235,29 +236,7 @@ struct Scratch {
     w_a: Vec<f32>,
     w_b: Vec<f32>,
     w_c: Vec<f32>,
-    // KDA: [H*D] each unless noted
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    qc: Vec<f32>,
-    kc: Vec<f32>,
-    vc: Vec<f32>,
-    fa: Vec<f32>, // [gate_rank]
-    graw: Vec<f32>,
-    log_decay: Vec<f32>,
-    beta: Vec<f32>, // [H]
-    gout: Vec<f32>,
-    o: Vec<f32>,
-    // MLA
-    qa: Vec<f32>,     // [q_lora]
-    qan: Vec<f32>,    // [q_lora]
-    mq: Vec<f32>,     // [H*(nope+rope)]
-    ckv: Vec<f32>,    // [kv_lora+rope]
-    ckvn: Vec<f32>,   // [kv_lora]
-    kv: Vec<f32>,     // [H*(nope+v)]
-    scores: Vec<f32>, // [H*max_pos]
-    mo: Vec<f32>,     // [H*dv]
-    mg: Vec<f32>,     // [H*dv]
+    scores: Vec<f32>, // MLA attention scores [H*max_pos]
     // FFN
     ff_gate: Vec<f32>, // [max ff width]
     ff_up: Vec<f32>,
@@ -279,7 +258,6 @@ impl Scratch {
         Scratch {
             x: z(b.d_model),
             xn: z(b.d_model),
-            attn_out: z(b.d_model),
             mlp_out: z(b.d_model),
             tmp_d: z(b.d_model),
             blocks: Vec::with_capacity(b.max_attn_res_sources),
@@ -290,27 +268,7 @@ impl Scratch {
             w_a: z(b.max_small_tensor),
             w_b: z(b.max_small_tensor),
             w_c: z(b.max_small_tensor),
-            q: z(b.kda_channels),
-            k: z(b.kda_channels),
-            v: z(b.kda_channels),
-            qc: z(b.kda_channels),
-            kc: z(b.kda_channels),
-            vc: z(b.kda_channels),
-            fa: z(b.kda_gate_rank),
-            graw: z(b.kda_channels),
-            log_decay: z(b.kda_channels),
-            beta: z(b.kda_heads),
-            gout: z(b.kda_channels),
-            o: z(b.kda_channels),
-            qa: z(b.mla_q_lora),
-            qan: z(b.mla_q_lora),
-            mq: z(b.mla_q),
-            ckv: z(b.mla_ckv),
-            ckvn: z(b.mla_kv_lora),
-            kv: z(b.mla_kv),
             scores: z(b.mla_heads * plan.max_positions),
-            mo: z(b.mla_out),
-            mg: z(b.mla_out),
             ff_gate: z(b.max_ff),
             ff_up: z(b.max_ff),
             ff_h: z(b.max_ff),
@@ -413,8 +371,10 @@ pub struct Executor<'s> {
     /// Called after each layer of a multi-token call with the tokens it fed (progress of a
     /// long prompt: one pass over a streamed trunk can take minutes).
     layer_hook: Option<LayerHook<'s>>,
-    /// The routed experts' outputs of an expert-major layer ([`Self::moe_layer_many`]).
+    /// The routed experts' outputs of an expert-major layer ([`Self::moe_many`]).
     many_outs: Vec<f32>,
+    /// Token-major buffers of the attention and of multi-token passes.
+    rows: Rows,
 }
 
 /// See [`Executor::set_layer_hook`].
@@ -650,6 +610,8 @@ fn glu(act: Activation, gate: &[f32], up: &[f32], h: &mut [f32]) {
 impl<'s> Executor<'s> {
     pub fn new(spec: &'s ModelSpec, plan: Plan, n_threads: usize) -> Executor<'s> {
         let s = Scratch::new(&plan);
+        let mut rows = Rows::new(&plan.buffers);
+        rows.fit(1);
         Executor {
             spec,
             plan,
@@ -660,6 +622,7 @@ impl<'s> Executor<'s> {
             guess: None,
             layer_hook: None,
             many_outs: Vec::new(),
+            rows,
         }
     }
 
@@ -828,27 +791,14 @@ impl<'s> Executor<'s> {
                 _ => (w.trunk.layer(l)?, None),
             };
             let ahead = next_moe.zip(next_lw.as_ref());
-            if tokens.len() > 1 && spec.layers[l].ffn == FfnKind::Moe {
+            let experts = w.experts.as_mut();
+            if tokens.len() > 1 {
                 let at: Vec<(usize, usize)> =
                     (0..tokens.len()).map(|t| (0, state.n_pos + t)).collect();
-                let experts = w.experts.as_mut();
-                self.moe_layer_many(
-                    l,
-                    &lw,
-                    &mut carries,
-                    &at,
-                    std::slice::from_mut(state),
-                    experts,
-                )?;
-                self.layer_done(tokens.len());
-                continue;
-            }
-            for t in 0..tokens.len() {
-                let st = &mut state.layers[l];
-                let experts = w.experts.as_mut();
-                self.with_carry(&mut carries, t, |ex| {
-                    ex.layer(l, &lw, ahead, st, state.n_pos + t, experts)
-                })?;
+                let states = std::slice::from_mut(state);
+                self.layer_many(l, &lw, &mut carries, &at, states, experts)?;
+            } else {
+                self.layer(l, &lw, ahead, &mut state.layers[l], state.n_pos, experts)?;
             }
             self.layer_done(tokens.len());
         }
@@ -936,22 +886,12 @@ impl<'s> Executor<'s> {
             .collect();
         for l in 0..spec.n_layers {
             let lw = w.trunk.layer(l)?;
-            if at.len() > 1 && spec.layers[l].ffn == FfnKind::Moe {
-                let experts = w.experts.as_mut();
-                self.moe_layer_many(l, &lw, &mut carries, &at, states, experts)?;
-                self.layer_done(at.len());
-                continue;
-            }
-            let mut k = 0;
-            for (st, p) in states.iter_mut().zip(parts) {
-                for t in 0..p.len() {
-                    let (layer, pos) = (&mut st.layers[l], st.n_pos + t);
-                    let experts = w.experts.as_mut();
-                    self.with_carry(&mut carries, k, |ex| {
-                        ex.layer(l, &lw, None, layer, pos, experts)
-                    })?;
-                    k += 1;
-                }
+            let experts = w.experts.as_mut();
+            if at.len() > 1 {
+                self.layer_many(l, &lw, &mut carries, &at, states, experts)?;
+            } else {
+                let st = &mut states[0];
+                self.layer(l, &lw, None, &mut st.layers[l], st.n_pos, experts)?;
             }
             self.layer_done(at.len());
         }
@@ -1063,7 +1003,19 @@ impl<'s> Executor<'s> {
             }
         }
         // ---- end expert prefetch guess ----
-        self.attn_part(l, lw, st, pos)?;
+        self.attn_in(l, lw)?;
+        let d = spec.d_model;
+        self.rows.xn[..d].copy_from_slice(&self.s.xn);
+        Self::attention(
+            spec,
+            (&self.pool, &self.serial),
+            &mut self.s,
+            &mut self.rows,
+            (lw, l),
+            &mut [st],
+            &[(0, pos)],
+        )?;
+        Self::attn_merge(spec, &mut self.s, lw, l, &self.rows.attn_out[..d])?;
         let (pool, serial, fetch, plan, s, guess) = (
             &self.pool,
             &self.serial,
@@ -1074,7 +1026,12 @@ impl<'s> Executor<'s> {
         );
         // blk.{l}.mlp_out
         match layer.ffn {
-            FfnKind::Dense => Self::dense(spec, pool, s, lw, l)?,
+            FfnKind::Dense => {
+                let rows = &mut self.rows;
+                rows.xn[..d].copy_from_slice(&s.xn);
+                Self::dense_many(spec, pool, rows, 1, lw, l)?;
+                s.mlp_out.copy_from_slice(&rows.mlp_out[..d]);
+            }
             FfnKind::Moe => {
                 // Look-ahead guess of the next MoE layer, from this layer's MoE input with
                 // the next layer's router (its weights are in RAM: pinned or resident), read
@@ -1099,23 +1056,78 @@ impl<'s> Executor<'s> {
         Ok(())
     }
 
-    /// MoE layer `l` for several tokens of one layer-major call, EXPERT-MAJOR: every token's
-    /// attention and routing first, in token order (token `i` of `at` is the carry
-    /// [`Self::with_carry`] gives for `i`, on `states[seq]` at `pos`; a token's MoE output
-    /// feeds only its own next layer, never another token's attention in this one), then
-    /// each routed expert any token chose is fetched ONCE (ascending id, `top_k` per
-    /// `experts()` call) and applied to every token that chose it, then each token's shared
-    /// experts and combine. Every output is the same kernel on the same input as in
-    /// [`Self::layer`] and the combine runs in the routed order, so the bits are those of the
-    /// tokens one by one; a streamed expert is read once per layer per call instead of once
-    /// per token that routes to it.
-    fn moe_layer_many(
+    /// Layer `l` for several tokens of one layer-major call (token `i` of `at` is the carry
+    /// [`Self::with_carry`] gives for `i`, on `states[seq]` at `pos`), in phases: every
+    /// token's attention input; the attention of all of them ([`Self::attention`]: each
+    /// projection reads its weights once for all tokens, the recurrence and the KV cache
+    /// advance token by token in order); every token's FFN input; the FFN of all of them
+    /// ([`Self::dense_many`], or [`Self::moe_many`]: expert-major). A token's outputs feed only
+    /// its own next layer, never another token's work in this one except through the
+    /// sequence's attention state, which sees the tokens in order. Every output is the same
+    /// kernel on the same input as in [`Self::layer`], so the bits are those of the tokens one
+    /// by one.
+    fn layer_many(
         &mut self,
         l: usize,
         lw: &LayerWeights<'_>,
         carries: &mut [Carry],
         at: &[(usize, usize)],
         states: &mut [SeqState],
+        experts: &mut dyn ExpertSource,
+    ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let (d, n) = (spec.d_model, at.len());
+        self.rows.fit(n);
+        for i in 0..n {
+            self.with_carry(carries, i, |ex| {
+                ex.attn_in(l, lw)?;
+                ex.rows.xn[i * d..(i + 1) * d].copy_from_slice(&ex.s.xn);
+                Ok(())
+            })?;
+        }
+        let mut sts: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+        Self::attention(
+            spec,
+            (&self.pool, &self.serial),
+            &mut self.s,
+            &mut self.rows,
+            (lw, l),
+            &mut sts,
+            at,
+        )?;
+        for i in 0..n {
+            self.with_carry(carries, i, |ex| {
+                let attn_out = &ex.rows.attn_out[i * d..(i + 1) * d];
+                Self::attn_merge(spec, &mut ex.s, lw, l, attn_out)?;
+                ex.rows.xn[i * d..(i + 1) * d].copy_from_slice(&ex.s.xn);
+                Ok(())
+            })?;
+        }
+        match spec.layers[l].ffn {
+            FfnKind::Dense => Self::dense_many(spec, &self.pool, &mut self.rows, n, lw, l)?,
+            FfnKind::Moe => self.moe_many(l, lw, n, experts)?,
+        }
+        for i in 0..n {
+            self.with_carry(carries, i, |ex| {
+                ops::add_inplace(&mut ex.s.partial, &ex.rows.mlp_out[i * d..(i + 1) * d]);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The MoE of `n` tokens whose inputs are in `rows.xn`, EXPERT-MAJOR: the router and the
+    /// latent down-projection of all tokens (weights read once), every token's routing, then
+    /// each routed expert any token chose is fetched ONCE (ascending id, `top_k` per
+    /// `experts()` call) and applied to every token that chose it, the shared experts of all
+    /// tokens, and each token's combine in its routed order, the latent up-projection of all
+    /// tokens; outputs into `rows.mlp_out`. A streamed expert is read once per layer per call
+    /// instead of once per token that routes to it; the bits are those of [`Self::moe`].
+    fn moe_many(
+        &mut self,
+        l: usize,
+        lw: &LayerWeights<'_>,
+        n: usize,
         experts: &mut dyn ExpertSource,
     ) -> Result<(), ExecError> {
         let spec = self.spec;
@@ -1126,52 +1138,53 @@ impl<'s> Executor<'s> {
             ff,
             dz,
             sw,
-            stride,
+            ..
         } = MoeDims::of(spec);
-        // Per token: the MoE input, the expert input (latent z or the MoE input), the routing.
-        struct Routed {
-            xn: Vec<f32>,
-            xin: Vec<f32>,
-            ids: Vec<u32>,
-            weights: Vec<f32>,
+        let (d, act) = (spec.d_model, spec.activation);
+        let (pool, serial, s) = (&self.pool, &self.serial, &mut self.s);
+        let Rows {
+            xn,
+            mlp_out,
+            tmp_d,
+            work,
+            ids,
+            weights,
+            ..
+        } = &mut self.rows;
+        let (xn, mlp_out, tmp_d) = (&xn[..n * d], &mut mlp_out[..n * d], &mut tmp_d[..n * d]);
+        let (ids, weights) = (&mut ids[..n * k], &mut weights[..n * k]);
+        let latent = p.d_latent.is_some();
+        let [logits, z, acc, gate, up, h] = carve(
+            work,
+            [
+                n * ne,
+                if latent { n * dz } else { 0 },
+                n * dz,
+                n * sw,
+                n * sw,
+                n * sw,
+            ],
+        );
+        let mut jobs = vec![(need(lw, l, TensorRole::Router)?, xn, &mut *logits)];
+        if latent {
+            jobs.push((need(lw, l, TensorRole::LatentDown)?, xn, &mut *z));
         }
-        let mut routed: Vec<Routed> = Vec::with_capacity(at.len());
-        for (i, &(seq, pos)) in at.iter().enumerate() {
-            let st = &mut states[seq].layers[l];
-            let r = self.with_carry(carries, i, |ex| {
-                ex.attn_part(l, lw, st, pos)?;
-                let (pool, s) = (&ex.pool, &mut ex.s);
-                lin(
-                    pool,
-                    need(lw, l, TensorRole::Router)?,
-                    &s.xn,
-                    &mut s.router_logits[..ne],
-                );
-                Self::route_token(p, s, lw, l)?;
-                let xin = match p.d_latent {
-                    Some(_) => {
-                        lin(
-                            pool,
-                            need(lw, l, TensorRole::LatentDown)?,
-                            &s.xn,
-                            &mut s.z[..dz],
-                        );
-                        s.z[..dz].to_vec()
-                    }
-                    None => s.xn.clone(),
-                };
-                Ok(Routed {
-                    xn: s.xn.clone(),
-                    xin,
-                    ids: s.ids[..k].to_vec(),
-                    weights: s.weights[..k].to_vec(),
-                })
-            })?;
-            routed.push(r);
+        lin_many(pool, n, jobs);
+        for i in 0..n {
+            Self::route_token(
+                p,
+                &mut s.w_a,
+                (lw, l),
+                &logits[i * ne..(i + 1) * ne],
+                &mut ids[i * k..(i + 1) * k],
+                &mut weights[i * k..(i + 1) * k],
+            )?;
         }
+        // the expert input of token i: its latent z or its MoE input
+        let xin: &[f32] = if latent { z } else { xn };
         // Each chosen expert once, top_k at a time; one task per (token, expert) pair, each on
         // one thread (a task's bits are those of the canonical row order).
-        let mut union: Vec<u32> = routed.iter().flat_map(|r| r.ids.iter().copied()).collect();
+        let mut union: Vec<u32> = ids.to_vec();
         union.sort_unstable();
         union.dedup();
         // Only each expert's output is kept ([token][rank][dz]); gate/up/h are per task.
@@ -1179,15 +1192,14 @@ impl<'s> Executor<'s> {
         // real K3 needs 59 MB: allocated per layer it would be faulted in and zeroed each time).
         let mut outs = std::mem::take(&mut self.many_outs);
         outs.clear();
-        outs.resize(at.len() * k * dz, 0.0);
-        let (pool, serial, act) = (&self.pool, &self.serial, spec.activation);
+        outs.resize(n * k * dz, 0.0);
         for group in union.chunks(k.max(1)) {
             let ews = experts.experts(l, group)?;
             let mut tasks: Vec<(&[f32], &ExpertWeights<'_>, &mut [f32])> = Vec::new();
-            for (r, out) in routed.iter().zip(outs.chunks_mut(k * dz)) {
-                for (&id, slot) in r.ids.iter().zip(out.chunks_mut(dz)) {
+            for (i, out) in outs.chunks_mut(k * dz).enumerate() {
+                for (&id, slot) in ids[i * k..(i + 1) * k].iter().zip(out.chunks_mut(dz)) {
                     if let Ok(g) = group.binary_search(&id) {
-                        tasks.push((&r.xin, &ews[g], slot));
+                        tasks.push((&xin[i * dz..(i + 1) * dz], &ews[g], slot));
                     }
                 }
             }
@@ -1197,58 +1209,55 @@ impl<'s> Executor<'s> {
                 expert_ffn(serial, act, ff, xin, ew, &mut tmp, out);
             });
         }
-        let shared = if sw > 0 {
-            Some((
-                need(lw, l, TensorRole::SharedGate)?,
-                need(lw, l, TensorRole::SharedUp)?,
-                need(lw, l, TensorRole::SharedDown)?,
-            ))
-        } else {
-            None
-        };
-        for (i, (r, out)) in routed.iter().zip(outs.chunks(k * dz)).enumerate() {
-            self.with_carry(carries, i, |ex| {
-                let (pool, s) = (&ex.pool, &mut ex.s);
-                s.xn.copy_from_slice(&r.xn);
-                s.ids[..k].copy_from_slice(&r.ids);
-                s.weights[..k].copy_from_slice(&r.weights);
-                for (slot, o) in s.experts_scratch[..k * stride]
-                    .chunks_mut(stride)
-                    .zip(out.chunks(dz))
-                {
-                    slot[3 * ff..].copy_from_slice(o);
-                }
-                if let Some((g, u, d)) = shared {
-                    lin_batch(
-                        pool,
-                        &s.xn,
-                        vec![(g, &mut s.ff_gate[..sw]), (u, &mut s.ff_up[..sw])],
-                    );
-                    glu(act, &s.ff_gate[..sw], &s.ff_up[..sw], &mut s.ff_h[..sw]);
-                    lin(pool, d, &s.ff_h[..sw], &mut s.tmp_d);
-                }
-                Self::moe_combine(spec, pool, s, lw, l)?;
-                ops::add_inplace(&mut s.partial, &s.mlp_out);
-                Ok(())
-            })?;
+        if sw > 0 {
+            lin_many(
+                pool,
+                n,
+                vec![
+                    (need(lw, l, TensorRole::SharedGate)?, xn, &mut *gate),
+                    (need(lw, l, TensorRole::SharedUp)?, xn, &mut *up),
+                ],
+            );
+            for i in 0..n {
+                let r = i * sw..(i + 1) * sw;
+                glu(act, &gate[r.clone()], &up[r.clone()], &mut h[r]);
+            }
+            let w = need(lw, l, TensorRole::SharedDown)?;
+            lin_many(pool, n, vec![(w, &*h, &mut *tmp_d)]);
+        }
+        for i in 0..n {
+            Self::routed_sum(
+                spec,
+                (lw, l),
+                &mut s.w_a,
+                &weights[i * k..(i + 1) * k],
+                outs[i * k * dz..(i + 1) * k * dz].chunks(dz),
+                &mut acc[i * dz..(i + 1) * dz],
+                &mut s.accn[..dz],
+            )?;
         }
         self.many_outs = outs;
+        if latent {
+            lin_many(
+                pool,
+                n,
+                vec![(need(lw, l, TensorRole::LatentUp)?, &*acc, &mut *mlp_out)],
+            );
+        } else {
+            mlp_out.copy_from_slice(acc);
+        }
+        if sw > 0 {
+            ops::add_inplace(mlp_out, tmp_d);
+        }
         Ok(())
     }
 
-    /// The first half of layer `l` for the token whose carry is in the scratch: the attention
-    /// input (AttnRes mix or residual), its norm, the attention (KDA or MLA at `pos`, updating
-    /// `st`), the partial sum, and the FFN input normed into `s.xn`.
-    fn attn_part(
-        &mut self,
-        l: usize,
-        lw: &LayerWeights<'_>,
-        st: &mut LayerState,
-        pos: usize,
-    ) -> Result<(), ExecError> {
+    /// The attention input of layer `l` for the token whose carry is in the scratch: the
+    /// AttnRes mix (the block sums and the partial sum; a new block starts here every
+    /// `block_size` layers) or the residual stream, normed into `s.xn`.
+    fn attn_in(&mut self, l: usize, lw: &LayerWeights<'_>) -> Result<(), ExecError> {
         let spec = self.spec;
-        let layer = spec.layers[l];
-        let (pool, s) = (&self.pool, &mut self.s);
+        let s = &mut self.s;
         // blk.{l}.attn_in
         match &spec.attn_res {
             Some(ar) => {
@@ -1268,20 +1277,23 @@ impl<'s> Executor<'s> {
         }
         let n = widen(need(lw, l, TensorRole::InputNorm)?, &mut s.w_a);
         ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
-        // blk.{l}.attn_out
-        match (layer.attn, st) {
-            (AttnKind::Kda, LayerState::Kda(st)) => {
-                Self::kda(spec, pool, s, lw, l, st)?;
-            }
-            (AttnKind::Mla, LayerState::Mla(st)) => {
-                Self::mla(spec, pool, s, lw, l, st, pos)?;
-            }
-            _ => unreachable!("SeqState is built from the same layer map"),
-        }
+        Ok(())
+    }
+
+    /// After the attention of the token whose carry is in the scratch: `attn_out`
+    /// (blk.{l}.attn_out) into the partial sum, then the FFN input (AttnRes mix or residual)
+    /// normed into `s.xn` (and unnormed in `s.x`).
+    fn attn_merge(
+        spec: &ModelSpec,
+        s: &mut Scratch,
+        lw: &LayerWeights<'_>,
+        l: usize,
+        attn_out: &[f32],
+    ) -> Result<(), ExecError> {
         if s.has_partial {
-            ops::add_inplace(&mut s.partial, &s.attn_out);
+            ops::add_inplace(&mut s.partial, attn_out);
         } else {
-            s.partial.copy_from_slice(&s.attn_out);
+            s.partial.copy_from_slice(attn_out);
             s.has_partial = true;
         }
         // blk.{l}.mlp_in
@@ -1427,40 +1439,75 @@ impl<'s> Executor<'s> {
         );
     }
 
-    /// Kimi Delta Attention for one token: `s.xn` in, `s.attn_out` out.
-    fn kda(
+    /// The attention of layer `l` for the `n = at.len()` tokens whose inputs are in `rows.xn`
+    /// (token `i` on `sts[at[i].0]` at position `at[i].1`, in order), outputs into
+    /// `rows.attn_out`: KDA or MLA by the layer map.
+    fn attention(
         spec: &ModelSpec,
-        pool: &Pool,
+        pools: (&Pool, &Pool),
         s: &mut Scratch,
-        lw: &LayerWeights<'_>,
-        l: usize,
-        st: &mut KdaState,
+        rows: &mut Rows,
+        (lw, l): (&LayerWeights<'_>, usize),
+        sts: &mut [&mut LayerState],
+        at: &[(usize, usize)],
+    ) -> Result<(), ExecError> {
+        match spec.layers[l].attn {
+            AttnKind::Kda => Self::kda_many(spec, pools, s, rows, (lw, l), sts, at),
+            AttnKind::Mla => Self::mla_many(spec, pools.0, s, rows, (lw, l), sts, at),
+        }
+    }
+
+    /// Kimi Delta Attention for the tokens of [`Self::attention`].
+    fn kda_many(
+        spec: &ModelSpec,
+        (pool, serial): (&Pool, &Pool),
+        s: &mut Scratch,
+        rows: &mut Rows,
+        (lw, l): (&LayerWeights<'_>, usize),
+        sts: &mut [&mut LayerState],
+        at: &[(usize, usize)],
     ) -> Result<(), ExecError> {
         let p = spec
             .kda
             .as_ref()
             .expect("validated: KDA layers have a KdaSpec");
         let (h, dk, ck) = (p.n_heads, p.head_dim, p.conv_kernel);
-        let ch = h * dk;
-        // projections from xn in one dispatch: q, k, v [H*D], f_a [rank], b [H], g [H*D]
+        let (ch, rank, d, n) = (h * dk, p.gate_rank, spec.d_model, at.len());
+        let Rows {
+            xn, attn_out, work, ..
+        } = rows;
+        let (xn, attn_out) = (&xn[..n * d], &mut attn_out[..n * d]);
+        let [q, k, v, fa, beta, gout, graw, log_decay, o, on, ga] = carve(
+            work,
+            [
+                n * ch,
+                n * ch,
+                n * ch,
+                n * rank,
+                n * h,
+                n * ch,
+                n * ch,
+                n * ch,
+                n * ch,
+                n * ch,
+                n * dk,
+            ],
+        );
+        // projections of every token: q, k, v [H*D], f_a [rank], b [H], g [H*D]
         let mut jobs = vec![
-            (need(lw, l, TensorRole::KdaQ)?, &mut s.q[..ch]),
-            (need(lw, l, TensorRole::KdaK)?, &mut s.k[..ch]),
-            (need(lw, l, TensorRole::KdaV)?, &mut s.v[..ch]),
-            (need(lw, l, TensorRole::KdaFA)?, &mut s.fa[..p.gate_rank]),
-            (need(lw, l, TensorRole::KdaBeta)?, &mut s.beta[..h]),
+            (need(lw, l, TensorRole::KdaQ)?, xn, &mut *q),
+            (need(lw, l, TensorRole::KdaK)?, xn, &mut *k),
+            (need(lw, l, TensorRole::KdaV)?, xn, &mut *v),
+            (need(lw, l, TensorRole::KdaFA)?, xn, &mut *fa),
+            (need(lw, l, TensorRole::KdaBeta)?, xn, &mut *beta),
         ];
         if p.full_rank_output_gate {
-            jobs.push((need(lw, l, TensorRole::KdaGate)?, &mut s.gout[..ch]));
+            jobs.push((need(lw, l, TensorRole::KdaGate)?, xn, &mut *gout));
         }
-        lin_batch(pool, &s.xn, jobs);
+        lin_many(pool, n, jobs);
         // forget gate: graw = f_b(f_a x); g = gate(graw, A_log, dt_bias)
-        lin(
-            pool,
-            need(lw, l, TensorRole::KdaFB)?,
-            &s.fa[..p.gate_rank],
-            &mut s.graw[..ch],
-        );
+        let w_fb = need(lw, l, TensorRole::KdaFB)?;
+        lin_many(pool, n, vec![(w_fb, &*fa, &mut *graw)]);
         let na = widen(need(lw, l, TensorRole::KdaALog)?, &mut s.w_a);
         let nb = widen(need(lw, l, TensorRole::KdaDtBias)?, &mut s.w_b);
         let gate = match p.gate {
@@ -1469,223 +1516,221 @@ impl<'s> Executor<'s> {
         };
         // A_log: first n_heads entries (padding validated zero at load)
         debug_assert!(na >= h);
-        kda::kda_gate(
-            &s.graw[..ch],
-            &s.w_a[..h],
-            &s.w_b[..nb],
-            dk,
-            gate,
-            &mut s.log_decay[..ch],
-        );
+        for (gr, ld) in graw.chunks(ch).zip(log_decay.chunks_mut(ch)) {
+            kda::kda_gate(gr, &s.w_a[..h], &s.w_b[..nb], dk, gate, ld);
+        }
         // beta = sigmoid(b_proj x) [H]
-        for b in s.beta[..h].iter_mut() {
+        for b in beta.iter_mut() {
             *b = k3_kernels::math::sigmoid(*b);
         }
-        // Per head, in ONE dispatch (every step below is per channel or per head, so a head's
-        // bits do not depend on which thread runs it): the causal depthwise short conv + SiLU
-        // of q, k, v (taps [ch, 1, ck]), the L2 norm of q (scaled by head_dim^-1/2) and k,
-        // and the delta-rule step on the head's state.
+        // Per head, in ONE dispatch, every token in order (every step below is per channel or
+        // per head, so a head's bits do not depend on which thread runs it): the causal
+        // depthwise short conv + SiLU of q, k, v (taps [ch, 1, ck]), the L2 norm of q (scaled
+        // by head_dim^-1/2) and k, and the delta-rule step on the head's state of the token's
+        // sequence.
         let nq = widen(need(lw, l, TensorRole::KdaQConv)?, &mut s.w_a);
         let nk = widen(need(lw, l, TensorRole::KdaKConv)?, &mut s.w_b);
         let nv = widen(need(lw, l, TensorRole::KdaVConv)?, &mut s.w_c);
         let taps = [&s.w_a[..nq], &s.w_b[..nk], &s.w_c[..nv]];
         let (hk, sd) = (dk * (ck - 1), dk * dk);
         let (q_scale, l2_eps) = (1.0 / (dk as f32).sqrt(), p.l2_eps);
-        let (q, k, v, log_decay, beta) = (&s.q, &s.k, &s.v, &s.log_decay, &s.beta);
-        let [hq, hk_, hv] =
-            [&mut st.conv_q, &mut st.conv_k, &mut st.conv_v].map(|c| per_head(c, hk, h));
-        let mut heads: Vec<KdaHead<'_>> = hq
-            .into_iter()
-            .zip(hk_)
-            .zip(hv)
-            .zip(st.s.chunks_mut(sd))
-            .zip(s.qc[..ch].chunks_mut(dk))
-            .zip(s.kc[..ch].chunks_mut(dk))
-            .zip(s.vc[..ch].chunks_mut(dk))
-            .zip(s.o[..ch].chunks_mut(dk))
-            .map(|(((((((cq, ck_), cv), state), qc), kc), vc), o)| KdaHead {
-                conv: [cq, ck_, cv],
-                state,
-                out: [qc, kc, vc],
-                o,
+        let (q, k, v, log_decay, beta) = (&*q, &*k, &*v, &*log_decay, &*beta);
+        // head hh of every sequence: its conv windows and state
+        let mut heads: Vec<KdaHead<'_>> = (0..h)
+            .map(|_| KdaHead {
+                seqs: Vec::with_capacity(sts.len()),
+                outs: Vec::with_capacity(n),
             })
             .collect();
-        let serial = Pool::new(1);
+        for st in sts.iter_mut() {
+            let LayerState::Kda(st) = &mut **st else {
+                unreachable!("SeqState is built from the same layer map")
+            };
+            let [hq, hk_, hv] =
+                [&mut st.conv_q, &mut st.conv_k, &mut st.conv_v].map(|c| per_head(c, hk, h));
+            for ((((cq, ck_), cv), state), head) in hq
+                .into_iter()
+                .zip(hk_)
+                .zip(hv)
+                .zip(st.s.chunks_mut(sd))
+                .zip(heads.iter_mut())
+            {
+                head.seqs.push(([cq, ck_, cv], state));
+            }
+        }
+        for (j, c) in o.chunks_mut(dk).enumerate() {
+            heads[j % h].outs.push(c);
+        }
         pool.for_each_chunk(&mut heads, 1, |hh, t| {
             let t = &mut t[0];
-            let r = hh * dk..(hh + 1) * dk;
-            let [qc, kc, vc] = &mut t.out;
-            for (j, (x, o)) in [&q[r.clone()], &k[r.clone()], &v[r.clone()]]
-                .into_iter()
-                .zip([&mut **qc, &mut **kc, &mut **vc])
-                .enumerate()
-            {
-                kda::conv_step(
-                    t.conv[j],
-                    x,
-                    &taps[j][hh * dk * ck..(hh + 1) * dk * ck],
-                    ck,
-                    o,
-                );
+            let mut qkv = [vec![0.0f32; dk], vec![0.0f32; dk], vec![0.0f32; dk]];
+            for (i, &(seq, _)) in at.iter().enumerate() {
+                let (conv, state) = &mut t.seqs[seq];
+                let r = i * ch + hh * dk..i * ch + (hh + 1) * dk;
+                for (j, (x, out)) in [&q[r.clone()], &k[r.clone()], &v[r.clone()]]
+                    .into_iter()
+                    .zip(qkv.iter_mut())
+                    .enumerate()
+                {
+                    kda::conv_step(
+                        conv[j],
+                        x,
+                        &taps[j][hh * dk * ck..(hh + 1) * dk * ck],
+                        ck,
+                        out,
+                    );
+                }
+                let [qc, kc, vc] = &mut qkv;
+                ops::l2norm_heads(qc, dk, l2_eps, q_scale);
+                ops::l2norm_heads(kc, dk, l2_eps, 1.0);
+                let step = kda::KdaStep {
+                    q: qc,
+                    k: kc,
+                    v: vc,
+                    log_decay: &log_decay[r],
+                    beta: &beta[i * h + hh..i * h + hh + 1],
+                    n_heads: 1,
+                    head_dim_k: dk,
+                    head_dim_v: dk,
+                };
+                kda::kda_step(serial, &step, state, t.outs[i]);
             }
-            ops::l2norm_heads(qc, dk, l2_eps, q_scale);
-            ops::l2norm_heads(kc, dk, l2_eps, 1.0);
-            let step = kda::KdaStep {
-                q: qc,
-                k: kc,
-                v: vc,
-                log_decay: &log_decay[r],
-                beta: &beta[hh..hh + 1],
-                n_heads: 1,
-                head_dim_k: dk,
-                head_dim_v: dk,
-            };
-            kda::kda_step(&serial, &step, t.state, t.o);
         });
         drop(heads);
         // output gate + gated RMSNorm per head: o * rms_inv(o) * o_norm * sigmoid(g)
         if !p.full_rank_output_gate {
             // low-rank output gate (Kimi-Linear); the full-rank one was computed above
-            lin(
-                pool,
-                need(lw, l, TensorRole::KdaGateA)?,
-                &s.xn,
-                &mut s.fa[..dk],
-            );
-            lin(
-                pool,
-                need(lw, l, TensorRole::KdaGateB)?,
-                &s.fa[..dk],
-                &mut s.gout[..ch],
-            );
+            let w_a = need(lw, l, TensorRole::KdaGateA)?;
+            lin_many(pool, n, vec![(w_a, xn, &mut *ga)]);
+            let w_b = need(lw, l, TensorRole::KdaGateB)?;
+            lin_many(pool, n, vec![(w_b, &*ga, &mut *gout)]);
         }
-        let n = widen(need(lw, l, TensorRole::KdaONorm)?, &mut s.w_a);
-        for hh in 0..h {
-            let r = hh * dk..(hh + 1) * dk;
-            ops::rmsnorm(
-                &s.o[r.clone()],
-                Some(&s.w_a[..n]),
-                p.o_norm_eps,
-                &mut s.vc[r.clone()],
-            );
-            ops::mul_sigmoid_inplace(&mut s.vc[r.clone()], &s.gout[r]);
+        let nn = widen(need(lw, l, TensorRole::KdaONorm)?, &mut s.w_a);
+        for ((oh, onh), gh) in o.chunks(dk).zip(on.chunks_mut(dk)).zip(gout.chunks(dk)) {
+            ops::rmsnorm(oh, Some(&s.w_a[..nn]), p.o_norm_eps, onh);
+            ops::mul_sigmoid_inplace(onh, gh);
         }
-        lin(
-            pool,
-            need(lw, l, TensorRole::KdaO)?,
-            &s.vc[..ch],
-            &mut s.attn_out,
-        );
+        let w_o = need(lw, l, TensorRole::KdaO)?;
+        lin_many(pool, n, vec![(w_o, &*on, attn_out)]);
         Ok(())
     }
 
-    /// Multi-head latent attention (NoPE) for one token at position `pos`.
-    fn mla(
+    /// Multi-head latent attention (NoPE) for the tokens of [`Self::attention`]: each token's
+    /// key and value are appended to its sequence's cache and it attends to its positions so
+    /// far, in token order.
+    fn mla_many(
         spec: &ModelSpec,
         pool: &Pool,
         s: &mut Scratch,
-        lw: &LayerWeights<'_>,
-        l: usize,
-        st: &mut MlaState,
-        pos: usize,
+        rows: &mut Rows,
+        (lw, l): (&LayerWeights<'_>, usize),
+        sts: &mut [&mut LayerState],
+        at: &[(usize, usize)],
     ) -> Result<(), ExecError> {
         let p = spec
             .mla
             .as_ref()
             .expect("validated: MLA layers have an MlaSpec");
         let (h, dn, dr, dv) = (p.n_heads, p.d_nope, p.d_rope, p.d_v);
-        let dq = dn + dr;
-        let kvl = p.kv_lora_rank;
-        // projections from xn in one dispatch: q_a [q_lora] (or q [H*(nope+rope)]),
-        // kv_a [kv_lora | k_rope], output gate g [H*dv]
-        let mut jobs = vec![(need(lw, l, TensorRole::MlaKvA)?, &mut s.ckv[..kvl + dr])];
+        let (dq, kvl, ql) = (dn + dr, p.kv_lora_rank, p.q_lora_rank.unwrap_or(0));
+        let (d, n) = (spec.d_model, at.len());
+        let Rows {
+            xn, attn_out, work, ..
+        } = rows;
+        let (xn, attn_out) = (&xn[..n * d], &mut attn_out[..n * d]);
+        let [qa, qan, mq, ckv, ckvn, kv, mo, mg] = carve(
+            work,
+            [
+                n * ql,
+                n * ql,
+                n * h * dq,
+                n * (kvl + dr),
+                n * kvl,
+                n * h * (dn + dv),
+                n * h * dv,
+                n * h * dv,
+            ],
+        );
+        // projections of every token: q_a [q_lora] (or q [H*(nope+rope)]), kv_a [kv_lora |
+        // k_rope], output gate g [H*dv]
+        let mut jobs = vec![(need(lw, l, TensorRole::MlaKvA)?, xn, &mut *ckv)];
         match p.q_lora_rank {
-            Some(r) => jobs.push((need(lw, l, TensorRole::MlaQA)?, &mut s.qa[..r])),
-            None => jobs.push((need(lw, l, TensorRole::MlaQ)?, &mut s.mq[..h * dq])),
+            Some(_) => jobs.push((need(lw, l, TensorRole::MlaQA)?, xn, &mut *qa)),
+            None => jobs.push((need(lw, l, TensorRole::MlaQ)?, xn, &mut *mq)),
         }
         if p.output_gate {
-            jobs.push((need(lw, l, TensorRole::MlaGate)?, &mut s.mg[..h * dv]));
+            jobs.push((need(lw, l, TensorRole::MlaGate)?, xn, &mut *mg));
         }
-        lin_batch(pool, &s.xn, jobs);
+        lin_many(pool, n, jobs);
         // q = q_b(RMSNorm(q_a x)) -> [H, nope+rope]
-        if let Some(r) = p.q_lora_rank {
-            let n = widen(need(lw, l, TensorRole::MlaQANorm)?, &mut s.w_a);
-            ops::rmsnorm(
-                &s.qa[..r],
-                Some(&s.w_a[..n]),
-                p.latent_norm_eps,
-                &mut s.qan[..r],
-            );
-            lin(
+        if p.q_lora_rank.is_some() {
+            let nw = widen(need(lw, l, TensorRole::MlaQANorm)?, &mut s.w_a);
+            for (a, an) in qa.chunks(ql).zip(qan.chunks_mut(ql)) {
+                ops::rmsnorm(a, Some(&s.w_a[..nw]), p.latent_norm_eps, an);
+            }
+            let w = need(lw, l, TensorRole::MlaQB)?;
+            lin_many(pool, n, vec![(w, &*qan, &mut *mq)]);
+        }
+        // c = kv_a x -> [kv_lora | k_rope]; kv = kv_b(norm(c_kv)) -> [H, nope | v]
+        let nw = widen(need(lw, l, TensorRole::MlaKvANorm)?, &mut s.w_a);
+        for (c, cn) in ckv.chunks(kvl + dr).zip(ckvn.chunks_mut(kvl)) {
+            ops::rmsnorm(&c[..kvl], Some(&s.w_a[..nw]), p.latent_norm_eps, cn);
+        }
+        let w = need(lw, l, TensorRole::MlaKvB)?;
+        lin_many(pool, n, vec![(w, &*ckvn, &mut *kv)]);
+        for (i, &(seq, pos)) in at.iter().enumerate() {
+            let LayerState::Mla(st) = &mut *sts[seq] else {
+                unreachable!("SeqState is built from the same layer map")
+            };
+            // append this position to the cache
+            debug_assert_eq!(st.k_rope.len(), pos * dr);
+            let kvi = &kv[i * h * (dn + dv)..(i + 1) * h * (dn + dv)];
+            for hh in 0..h {
+                let base = hh * (dn + dv);
+                st.k_nope.extend_from_slice(&kvi[base..base + dn]);
+            }
+            st.k_rope
+                .extend_from_slice(&ckv[i * (kvl + dr) + kvl..(i + 1) * (kvl + dr)]);
+            for hh in 0..h {
+                let base = hh * (dn + dv) + dn;
+                st.v.extend_from_slice(&kvi[base..base + dv]);
+            }
+            let n_pos = pos + 1;
+            let shape = attn::MlaShape {
+                n_heads: h,
+                d_nope: dn,
+                d_rope: dr,
+                d_v: dv,
+                n_pos,
+                scale: 1.0 / (dq as f32).sqrt(),
+            };
+            let moi = &mut mo[i * h * dv..(i + 1) * h * dv];
+            attn::mla_attend(
                 pool,
-                need(lw, l, TensorRole::MlaQB)?,
-                &s.qan[..r],
-                &mut s.mq[..h * dq],
+                &shape,
+                &mq[i * h * dq..(i + 1) * h * dq],
+                &st.k_nope,
+                &st.k_rope,
+                &st.v,
+                &mut s.scores[..h * n_pos],
+                moi,
             );
+            if p.output_gate {
+                // g = g_proj x was computed with the other projections above
+                ops::mul_sigmoid_inplace(moi, &mg[i * h * dv..(i + 1) * h * dv]);
+            }
         }
-        // c = kv_a x -> [kv_lora | k_rope]
-        let n = widen(need(lw, l, TensorRole::MlaKvANorm)?, &mut s.w_a);
-        ops::rmsnorm(
-            &s.ckv[..kvl],
-            Some(&s.w_a[..n]),
-            p.latent_norm_eps,
-            &mut s.ckvn[..kvl],
-        );
-        // kv = kv_b(norm(c_kv)) -> [H, nope | v]
-        lin(
-            pool,
-            need(lw, l, TensorRole::MlaKvB)?,
-            &s.ckvn[..kvl],
-            &mut s.kv[..h * (dn + dv)],
-        );
-        // append this position to the cache
-        debug_assert_eq!(st.k_rope.len(), pos * dr);
-        for hh in 0..h {
-            let base = hh * (dn + dv);
-            st.k_nope.extend_from_slice(&s.kv[base..base + dn]);
-        }
-        st.k_rope.extend_from_slice(&s.ckv[kvl..kvl + dr]);
-        for hh in 0..h {
-            let base = hh * (dn + dv) + dn;
-            st.v.extend_from_slice(&s.kv[base..base + dv]);
-        }
-        let n_pos = pos + 1;
-        let shape = attn::MlaShape {
-            n_heads: h,
-            d_nope: dn,
-            d_rope: dr,
-            d_v: dv,
-            n_pos,
-            scale: 1.0 / (dq as f32).sqrt(),
-        };
-        attn::mla_attend(
-            pool,
-            &shape,
-            &s.mq[..h * dq],
-            &st.k_nope,
-            &st.k_rope,
-            &st.v,
-            &mut s.scores[..h * n_pos],
-            &mut s.mo[..h * dv],
-        );
-        if p.output_gate {
-            // g = g_proj x was computed with the other projections above
-            ops::mul_sigmoid_inplace(&mut s.mo[..h * dv], &s.mg[..h * dv]);
-        }
-        lin(
-            pool,
-            need(lw, l, TensorRole::MlaO)?,
-            &s.mo[..h * dv],
-            &mut s.attn_out,
-        );
+        let w_o = need(lw, l, TensorRole::MlaO)?;
+        lin_many(pool, n, vec![(w_o, &*mo, attn_out)]);
         Ok(())
     }
 
-    /// Dense gated MLP (layer 0 of K3): `s.xn` in, `s.mlp_out` out.
-    fn dense(
+    /// Dense gated MLP (layer 0 of K3) of `n` tokens: `rows.xn` in, `rows.mlp_out` out.
+    fn dense_many(
         spec: &ModelSpec,
         pool: &Pool,
-        s: &mut Scratch,
+        rows: &mut Rows,
+        n: usize,
         lw: &LayerWeights<'_>,
         l: usize,
     ) -> Result<(), ExecError> {
@@ -1694,26 +1739,25 @@ impl<'s> Executor<'s> {
             .as_ref()
             .expect("validated: dense layers have a DenseMlpSpec")
             .d_ff;
-        lin_batch(
+        let d = spec.d_model;
+        let Rows {
+            xn, mlp_out, work, ..
+        } = rows;
+        let (xn, mlp_out) = (&xn[..n * d], &mut mlp_out[..n * d]);
+        let [gate, up, h] = carve(work, [n * ff; 3]);
+        lin_many(
             pool,
-            &s.xn,
+            n,
             vec![
-                (need(lw, l, TensorRole::DenseGate)?, &mut s.ff_gate[..ff]),
-                (need(lw, l, TensorRole::DenseUp)?, &mut s.ff_up[..ff]),
+                (need(lw, l, TensorRole::DenseGate)?, xn, &mut *gate),
+                (need(lw, l, TensorRole::DenseUp)?, xn, &mut *up),
             ],
         );
-        glu(
-            spec.activation,
-            &s.ff_gate[..ff],
-            &s.ff_up[..ff],
-            &mut s.ff_h[..ff],
-        );
-        lin(
-            pool,
-            need(lw, l, TensorRole::DenseDown)?,
-            &s.ff_h[..ff],
-            &mut s.mlp_out,
-        );
+        for ((g, u), hh) in gate.chunks(ff).zip(up.chunks(ff)).zip(h.chunks_mut(ff)) {
+            glu(spec.activation, g, u, hh);
+        }
+        let w = need(lw, l, TensorRole::DenseDown)?;
+        lin_many(pool, n, vec![(w, &*h, mlp_out)]);
         Ok(())
     }
 
@@ -1789,7 +1833,14 @@ impl<'s> Executor<'s> {
             ));
             lin_batch(pool, &s.xn, jobs);
         }
-        Self::route_token(p, s, lw, l)?;
+        Self::route_token(
+            p,
+            &mut s.w_a,
+            (lw, l),
+            &s.router_logits[..ne],
+            &mut s.ids[..k],
+            &mut s.weights[..k],
+        )?;
         let shared_down = if sw > 0 {
             Some(need(lw, l, TensorRole::SharedDown)?)
         } else {
@@ -1921,36 +1972,55 @@ impl<'s> Executor<'s> {
         Self::moe_combine(spec, pool, s, lw, l)
     }
 
-    /// The routing of the token whose MoE input is in the scratch: selection with the score
-    /// bias, weights from the unbiased scores, from `s.router_logits` into `s.ids` /
-    /// `s.weights` (ids ascending).
+    /// The routing of one token: selection with the score bias, weights from the unbiased
+    /// scores, from its router `logits` into `ids` / `weights` (top-k, ids ascending); `w_a`
+    /// holds the widened bias.
     fn route_token(
         p: &k3_models::spec::MoeSpec,
-        s: &mut Scratch,
-        lw: &LayerWeights<'_>,
-        l: usize,
+        w_a: &mut [f32],
+        (lw, l): (&LayerWeights<'_>, usize),
+        logits: &[f32],
+        ids: &mut [u32],
+        weights: &mut [f32],
     ) -> Result<(), ExecError> {
-        let (ne, k) = (p.n_experts, p.n_experts_active);
-        let cfg = router_cfg(p, k);
+        let cfg = router_cfg(p, p.n_experts_active);
         let bias = if p.has_score_bias {
-            let n = widen(need(lw, l, TensorRole::RouterBias)?, &mut s.w_a);
-            Some(&s.w_a[..n])
+            let n = widen(need(lw, l, TensorRole::RouterBias)?, w_a);
+            Some(&w_a[..n])
         } else {
             None
         };
-        router::route(
-            &s.router_logits[..ne],
-            bias,
-            &cfg,
-            &mut s.ids[..k],
-            &mut s.weights[..k],
-        );
+        router::route(logits, bias, &cfg, ids, weights);
         Ok(())
     }
 
-    /// The end of a MoE layer: the routed experts' outputs (slots `[gate ff | up ff | h ff |
-    /// out]` in `s.experts_scratch`, routed order) weighted and summed in that order, the
-    /// routed-expert norm and the latent up-projection, plus the shared experts (`s.tmp_d`),
+    /// One token's routed experts' outputs `outs` (routed order) weighted by `weights` and
+    /// summed in that order into `acc`, then the routed-expert norm (through `tmp`) when the
+    /// model has one: the input of the latent up-projection.
+    fn routed_sum<'o>(
+        spec: &ModelSpec,
+        (lw, l): (&LayerWeights<'_>, usize),
+        w_a: &mut [f32],
+        weights: &[f32],
+        outs: impl Iterator<Item = &'o [f32]>,
+        acc: &mut [f32],
+        tmp: &mut [f32],
+    ) -> Result<(), ExecError> {
+        acc.fill(0.0);
+        for (&w, out) in weights.iter().zip(outs) {
+            ops::axpy(acc, w, out);
+        }
+        if MoeDims::of(spec).p.latent_norm {
+            let n = widen(need(lw, l, TensorRole::LatentNorm)?, w_a);
+            ops::rmsnorm(acc, Some(&w_a[..n]), spec.rms_norm_eps, tmp);
+            acc.copy_from_slice(tmp);
+        }
+        Ok(())
+    }
+
+    /// The end of a MoE layer's decode step: the routed experts' outputs (slots `[gate ff |
+    /// up ff | h ff | out]` in `s.experts_scratch`, routed order) combined
+    /// ([`Self::routed_sum`]), the latent up-projection, plus the shared experts (`s.tmp_d`),
     /// into `s.mlp_out`.
     fn moe_combine(
         spec: &ModelSpec,
@@ -1968,33 +2038,27 @@ impl<'s> Executor<'s> {
             stride,
             ..
         } = MoeDims::of(spec);
-        s.acc[..dz].fill(0.0);
-        for j in 0..k {
-            let out = &s.experts_scratch[j * stride + 3 * ff..(j + 1) * stride];
-            ops::axpy(&mut s.acc[..dz], s.weights[j], out);
-        }
-        // routed_expert_norm, then the latent up-projection
-        let routed: &[f32] = if p.latent_norm {
-            let n = widen(need(lw, l, TensorRole::LatentNorm)?, &mut s.w_a);
-            ops::rmsnorm(
-                &s.acc[..dz],
-                Some(&s.w_a[..n]),
-                spec.rms_norm_eps,
-                &mut s.accn[..dz],
-            );
-            &s.accn[..dz]
-        } else {
-            &s.acc[..dz]
-        };
+        let outs = s.experts_scratch[..k * stride]
+            .chunks(stride)
+            .map(|slot| &slot[3 * ff..]);
+        Self::routed_sum(
+            spec,
+            (lw, l),
+            &mut s.w_a,
+            &s.weights[..k],
+            outs,
+            &mut s.acc[..dz],
+            &mut s.accn[..dz],
+        )?;
         if p.d_latent.is_some() {
             lin(
                 pool,
                 need(lw, l, TensorRole::LatentUp)?,
-                routed,
+                &s.acc[..dz],
                 &mut s.mlp_out,
             );
         } else {
-            s.mlp_out.copy_from_slice(routed);
+            s.mlp_out.copy_from_slice(&s.acc[..dz]);
         }
         // fused shared experts (width d_expert_ff * n_shared) on the same input (computed above)
         if sw > 0 {

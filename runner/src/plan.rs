@@ -34,6 +34,31 @@ pub struct BufferSizes {
     pub moe_latent: usize,
 }
 
+impl BufferSizes {
+    /// f32 elements per token a multi-token pass keeps outside its work area: the layer's
+    /// attention and FFN input (normed), attention output, FFN output and shared-expert output.
+    pub fn pass_fixed_per_token(&self) -> usize {
+        4 * self.d_model
+    }
+
+    /// f32 elements per token of a multi-token pass's work area, shared by the attention phase
+    /// (KDA or MLA projections and outputs) and the FFN phase (dense or MoE router, latent and
+    /// shared-expert activations): the largest of the four.
+    pub fn pass_work_per_token(&self) -> usize {
+        let head_dim = self.kda_channels.checked_div(self.kda_heads).unwrap_or(0);
+        let kda = 8 * self.kda_channels + self.kda_gate_rank + self.kda_heads + head_dim;
+        let mla = 2 * self.mla_q_lora
+            + self.mla_q
+            + self.mla_ckv
+            + self.mla_kv_lora
+            + self.mla_kv
+            + 2 * self.mla_out;
+        let ffn = 3 * self.max_ff;
+        let moe = 3 * self.max_ff + self.n_experts + 2 * self.moe_latent;
+        kda.max(mla).max(ffn).max(moe)
+    }
+}
+
 /// One layer's entry in the plan.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LayerPlan {
@@ -197,12 +222,16 @@ impl Plan {
         self.layers.iter().map(|l| l.kv_bytes_per_position).sum()
     }
     /// Working memory of one layer-major call of [`Self::prefill_chunk`] tokens: each
-    /// token's residual carry (the partial sum and the AttnRes block snapshots), its MoE input
-    /// and expert input, and its routed experts' outputs (expert-major MoE).
+    /// token's residual carry (the partial sum and the AttnRes block snapshots), its rows of
+    /// the pass's token-major buffers (layer inputs and outputs, projections: see
+    /// [`BufferSizes::pass_work_per_token`]), its routing and its routed experts' outputs
+    /// (expert-major MoE).
     pub fn prefill_bytes(&self) -> u64 {
         let b = &self.buffers;
-        let per_token = b.d_model * (b.max_attn_res_sources + 2)
-            + b.moe_latent
+        let per_token = b.d_model * (b.max_attn_res_sources + 1)
+            + b.pass_fixed_per_token()
+            + b.pass_work_per_token()
+            + 2 * b.n_experts_active
             + b.n_experts_active * b.moe_latent;
         (self.prefill_chunk * per_token * 4) as u64
     }

@@ -7,7 +7,8 @@ Each variant is a label, optional environment assignments, the binary and its ow
 (model, prompt, budgets) are appended to every variant, plus `--out`. The variants run in turn,
 REPS rounds, the page cache dropped before each run (root; set AB_NODROP=1 to keep it warm).
 Prints each run's decode s/token (`seconds_per_token`), the expert read seconds and the first
-ids, then the median and minimum per variant. Python stdlib only.
+ids, then the median and minimum per variant. AB_FIELD=NAME reports another figure of the
+`--out` JSON instead (e.g. `first_token_seconds` for prompt passes). Python stdlib only.
 """
 import json
 import os
@@ -45,8 +46,9 @@ def main():
             with open(out) as f:
                 d = json.load(f)
             e = d.get("experts", {})
-            res[v].append(d["seconds_per_token"])
-            print(label, round(d["seconds_per_token"], 4), round(e.get("read_seconds", 0), 3),
+            x = d[os.environ.get("AB_FIELD", "seconds_per_token")]
+            res[v].append(x)
+            print(label, round(x, 4), round(e.get("read_seconds", 0), 3),
                   d["generated_ids"][:3], flush=True)
     for v in variants:
         xs = res[v]

@@ -154,9 +154,8 @@ pub fn rows_bf16_many_with(isa: Isa, w: &[u16], xs: &[&[f32]], outs: &mut [&mut 
     while r0 < rows {
         let r1 = (r0 + block).min(rows);
         let wb = &w[r0 * cols..r1 * cols];
-        for (x, o) in xs.iter().zip(outs.iter_mut()) {
-            crate::simd::rows_bf16(isa, wb, x, &mut o[r0..r1]);
-        }
+        let mut ob: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[r0..r1]).collect();
+        crate::simd::rows_bf16_many(isa, wb, xs, &mut ob);
         r0 = r1;
     }
 }

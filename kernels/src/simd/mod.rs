@@ -55,6 +55,21 @@ pub(crate) fn rows_bf16(isa: Isa, w: &[u16], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `outs[t] = W xs[t]` for bf16 rows and several inputs, each output the bits of
+/// [`rows_bf16`] on its input; paths without a several-input kernel run the inputs in turn.
+pub(crate) fn rows_bf16_many(isa: Isa, w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    match isa {
+        // SAFETY: `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::rows_bf16_many(w, xs, outs) },
+        _ => {
+            for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                rows_bf16(isa, w, x, o);
+            }
+        }
+    }
+}
+
 /// Rows of an MXFP4 matvec on `isa`.
 pub(crate) fn rows_mxfp4(isa: Isa, packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
     match isa {

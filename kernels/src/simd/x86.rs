@@ -183,6 +183,98 @@ pub(crate) mod avx512 {
         row_groups!(ROWS, out, group_bf16, w, x);
     }
 
+    /// Rows `r0..r0+R` of a bf16 matvec for `N` inputs at once (`outs[t][r0 + i]` = row `i`
+    /// times `xs[t]`): each 16 weights are widened once and multiplied into every input's
+    /// accumulator. The accumulator of (row, input) sees exactly the FMAs [`group_bf16`] gives
+    /// that row and input, in the same order, then the same tail and tree: the same bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn group_bf16_n<const R: usize, const N: usize>(
+        w: &[u16],
+        xs: [&[f32]; N],
+        r0: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        let cols = xs[0].len();
+        let rows: [&[u16]; R] = rows_of(w, r0, cols);
+        let full = cols / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of every input and of every row.
+            unsafe {
+                let mut xv = [_mm512_setzero_ps(); N];
+                for t in 0..N {
+                    xv[t] = _mm512_loadu_ps(xs[t].as_ptr().add(c));
+                }
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    if c.is_multiple_of(32) {
+                        prefetch_l2(p, R * cols * 2); // the next group's rows
+                    }
+                    let wv = bf16x16(p);
+                    for t in 0..N {
+                        acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+                    }
+                }
+            }
+            c += LANES;
+        }
+        for i in 0..R {
+            for t in 0..N {
+                let mut l = lanes(acc[i][t]);
+                bf16_tail(&mut l, &rows[i][full..], &xs[t][full..]);
+                outs[t][r0 + i] = tree16(l);
+            }
+        }
+    }
+
+    /// Every row of `w` for `N` inputs (see [`group_bf16_n`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn rows_bf16_n<const N: usize>(w: &[u16], xs: [&[f32]; N], outs: &mut [&mut [f32]]) {
+        let rows = outs[0].len();
+        let mut r = 0;
+        while r + MANY_ROWS <= rows {
+            group_bf16_n::<MANY_ROWS, N>(w, xs, r, outs);
+            r += MANY_ROWS;
+        }
+        while r < rows {
+            group_bf16_n::<1, N>(w, xs, r, outs);
+            r += 1;
+        }
+    }
+
+    /// Rows in flight of the several-input kernels (times the inputs: the accumulators).
+    const MANY_ROWS: usize = 4;
+
+    /// `outs[t][r] = dot(bf16 row r, xs[t])` for every input: inputs four at a time through
+    /// [`group_bf16_n`], then two, then one ([`rows_bf16`]); the same bits as [`rows_bf16`]
+    /// of each input.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    pub(crate) fn rows_bf16_many(w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        let rows = outs.first().map_or(0, |o| o.len());
+        assert!(
+            xs.len() == outs.len()
+                && xs.iter().all(|x| w.len() == rows * x.len())
+                && outs.iter().all(|o| o.len() == rows),
+            "rows_bf16_many: shape"
+        );
+        let mut t = 0;
+        while t + 4 <= xs.len() {
+            let x = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
+            rows_bf16_n::<4>(w, x, &mut outs[t..t + 4]);
+            t += 4;
+        }
+        if t + 2 <= xs.len() {
+            rows_bf16_n::<2>(w, [xs[t], xs[t + 1]], &mut outs[t..t + 2]);
+            t += 2;
+        }
+        if t < xs.len() {
+            rows_bf16(w, xs[t], outs[t]);
+        }
+    }
+
     /// Rows `r0..r0+R` of an MXFP4 matvec (`cols % 32 == 0`).
     ///
     /// Per row and block: the table `E2M1 * scale` (16 exact products, one 512-bit multiply),

@@ -24,7 +24,9 @@ use k3_kernels::Pool;
 use k3_kernels::attn::{MlaCache, MlaShape, mla_attend_with};
 use k3_kernels::isa::{self, Isa};
 use k3_kernels::kda::{KdaStep, conv_step_with, kda_step_with};
-use k3_kernels::matvec::{matvec_bf16_with, matvec_mxfp4_with, rows_bf16_many_with};
+use k3_kernels::matvec::{
+    matvec_bf16_with, matvec_mxfp4_with, rows_bf16_many_with, rows_mxfp4_many_with,
+};
 use k3_kernels::ops::{rmsnorm_with, situ_glu_with, softmax_inplace_with};
 use k3_kernels::router::{RouterCfg, Scoring, route_with};
 
@@ -431,9 +433,76 @@ fn main() {
 }
 
 /// One thread, a 176 MB bf16 matrix (far beyond the caches) times n inputs: n one-input
-/// matvecs (the weights stream from memory n times) against one `rows_bf16_many` call (once).
-/// Figures are input-weight products per second (G MAC/s), medians of the reps.
+/// matvecs (the weights stream from memory n times) against one `rows_bf16_many` call (once);
+/// then an MXFP4 expert matrix of k3-mini's shape (512x512, in cache) and of the decode
+/// bench's (3072x3584) the same way. Figures are input-weight products per second
+/// (G MAC/s), medians of the reps.
 fn bench_many(isas: &[Isa], reps: usize) {
+    bench_many_bf16(isas, reps);
+    bench_many_mxfp4(isas, reps);
+}
+
+fn inputs(n: usize, cols: usize) -> Vec<Vec<f32>> {
+    (0..n)
+        .map(|t| {
+            fill_u16(cols, 100 + t as u64)
+                .iter()
+                .map(|&b| f32::from_bits((b as u32) << 16) * 30.0)
+                .collect()
+        })
+        .collect()
+}
+
+fn bench_many_mxfp4(isas: &[Isa], reps: usize) {
+    let pool = Pool::new(1);
+    for (rows, cols) in [(512, 512), (3072, 3584)] {
+        let packed = fill_u8(rows * cols / 2, 5);
+        let scales: Vec<u8> = fill_u8(rows * cols / 32, 6)
+            .iter()
+            .map(|b| 118 + b % 8)
+            .collect();
+        for &isa in isas {
+            for n in [1usize, 4, 8, 16] {
+                let xs = inputs(n, cols);
+                let mut outs = vec![vec![0.0f32; rows]; n];
+                let macs = (rows * cols * n) as f64;
+                let calls = (4_000_000 / (rows * cols)).max(1);
+                let (mut one, mut many) = (Vec::new(), Vec::new());
+                for _ in 0..reps.max(3) {
+                    let t0 = Instant::now();
+                    for _ in 0..calls {
+                        for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                            matvec_mxfp4_with(isa, &pool, &packed, &scales, x, o);
+                        }
+                    }
+                    one.push(calls as f64 * macs / t0.elapsed().as_secs_f64());
+                    black_box(&outs);
+                    let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+                    let mut or: Vec<&mut [f32]> =
+                        outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                    let t0 = Instant::now();
+                    for _ in 0..calls {
+                        rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
+                    }
+                    many.push(calls as f64 * macs / t0.elapsed().as_secs_f64());
+                    black_box(&or);
+                }
+                let (a, b) = (median(one), median(many));
+                println!(
+                    "{:<10} {:>7} {:>4} {:>16.2} {:>16.2} {:>6.2}x  mxfp4",
+                    format!("{rows}x{cols}"),
+                    isa.name(),
+                    n,
+                    a / 1e9,
+                    b / 1e9,
+                    b / a
+                );
+            }
+        }
+    }
+}
+
+fn bench_many_bf16(isas: &[Isa], reps: usize) {
     let (rows, cols) = (12288, 7168);
     let w = fill_u16(rows * cols, 11);
     let pool = Pool::new(1);
@@ -443,14 +512,7 @@ fn bench_many(isas: &[Isa], reps: usize) {
     );
     for &isa in isas {
         for n in [1usize, 4, 16, 64] {
-            let xs: Vec<Vec<f32>> = (0..n)
-                .map(|t| {
-                    fill_u16(cols, 100 + t as u64)
-                        .iter()
-                        .map(|&b| f32::from_bits((b as u32) << 16) * 30.0)
-                        .collect()
-                })
-                .collect();
+            let xs = inputs(n, cols);
             let mut outs = vec![vec![0.0f32; rows]; n];
             let macs = (rows * cols * n) as f64;
             let (mut one, mut many) = (Vec::new(), Vec::new());

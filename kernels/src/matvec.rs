@@ -224,6 +224,44 @@ pub fn matvec_mxfp4_with(
     });
 }
 
+/// MXFP4 weights (`packed: [rows, cols/2]`, `scales: [rows, cols/32]`) times SEVERAL inputs
+/// on the calling thread: `outs[t] = W xs[t]`, each output bit-identical to [`matvec_mxfp4`]
+/// of that input alone. Each row is decoded once for all inputs (the decode, not the memory,
+/// bounds a one-input MXFP4 matvec): an expert applied to every token that routed to it.
+pub fn rows_mxfp4_many(packed: &[u8], scales: &[u8], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    rows_mxfp4_many_with(active(), packed, scales, xs, outs)
+}
+
+/// [`rows_mxfp4_many`] on a forced path.
+pub fn rows_mxfp4_many_with(
+    isa: Isa,
+    packed: &[u8],
+    scales: &[u8],
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(
+        xs.len(),
+        outs.len(),
+        "rows_mxfp4_many: one output per input"
+    );
+    let Some(first) = outs.first() else { return };
+    let (rows, cols) = (first.len(), xs[0].len());
+    assert!(
+        cols.is_multiple_of(32),
+        "rows_mxfp4_many: cols = {cols} is not a multiple of 32"
+    );
+    assert!(
+        xs.iter().all(|x| x.len() == cols) && outs.iter().all(|o| o.len() == rows),
+        "rows_mxfp4_many: inputs (or outputs) differ in length"
+    );
+    assert!(
+        packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32,
+        "rows_mxfp4_many: packed or scales do not match rows x cols"
+    );
+    crate::simd::rows_mxfp4_many(resolve(isa), packed, scales, xs, outs);
+}
+
 /// Scalar reference rows: f32 weights.
 pub(crate) fn rows_f32_ref(w: &[f32], x: &[f32], out: &mut [f32]) {
     let cols = x.len();

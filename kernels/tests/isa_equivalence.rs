@@ -10,7 +10,7 @@ use k3_kernels::isa::{Isa, available};
 use k3_kernels::kda::{KdaGate, KdaStep, conv_step_with, kda_gate_with, kda_step_with};
 use k3_kernels::matvec::{
     dot_f32_with, matvec_bf16_with, matvec_f32_with, matvec_mxfp4_with, mxfp4_dequant_row,
-    rows_bf16_many_with,
+    rows_bf16_many_with, rows_mxfp4_many_with,
 };
 use k3_kernels::ops::*;
 use k3_kernels::router::{RouterCfg, Scoring, route_with};
@@ -46,7 +46,7 @@ proptest! {
     /// Several inputs through one weight read: each output equals the one-input matvec's
     /// bits, on every path, for shapes that span several cache blocks and ragged tails.
     #[test]
-    fn bf16_many_inputs(seed: u64, rows in 1usize..300, cols in 1usize..400, n in 1usize..6) {
+    fn bf16_many_inputs(seed: u64, rows in 1usize..300, cols in 1usize..400, n in 1usize..11) {
         let mut r = Rng::new(seed);
         let w = r.bf16s(rows * cols, 1.0);
         let xs: Vec<Vec<f32>> = (0..n).map(|_| r.f32s(cols, 4.0)).collect();
@@ -60,6 +60,30 @@ proptest! {
                 let mut want = vec![0.0f32; rows];
                 matvec_bf16_with(Isa::Scalar, p1, &w, x, &mut want);
                 assert_same(&format!("bf16 many {isa:?} {rows}x{cols} of {n}"), got, &want);
+            }
+        }
+    }
+
+    /// MXFP4 rows decoded once for several inputs: each output equals the one-input matvec's
+    /// bits, on every path (including the subnormal scale byte 0).
+    #[test]
+    fn mxfp4_many_inputs(seed: u64, rows in 1usize..40, blocks in 1usize..9, n in 1usize..11) {
+        let mut r = Rng::new(seed);
+        let cols = blocks * 32;
+        let packed = r.bytes(rows * cols / 2);
+        let mut scales = r.scales(rows * cols / 32);
+        scales[0] = 0;
+        let xs: Vec<Vec<f32>> = (0..n).map(|_| r.f32s(cols, 4.0)).collect();
+        let p1 = &pools()[0];
+        for isa in paths() {
+            let mut outs = vec![vec![f32::NAN; rows]; n];
+            let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+            let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
+            for (x, got) in xs.iter().zip(&outs) {
+                let mut want = vec![0.0f32; rows];
+                matvec_mxfp4_with(Isa::Scalar, p1, &packed, &scales, x, &mut want);
+                assert_same(&format!("mxfp4 many {isa:?} {rows}x{cols} of {n}"), got, &want);
             }
         }
     }

@@ -468,27 +468,11 @@ fn lin(pool: &Pool, w: TensorBytes<'_>, x: &[f32], out: &mut [f32]) {
 }
 
 /// Several bf16 matvecs over the same input `x` in ONE parallel dispatch (row chunks of every
-/// matrix are the tasks). Each output row is still one canonical dot product computed by one
-/// thread, so the bits equal those of separate [`lin`] calls for any thread count; it only
-/// saves the per-call fork/join cost of many small matvecs per layer.
+/// matrix are the tasks): [`lin_many`] with one token. Each output row is still one canonical
+/// dot product computed by one thread, so the bits equal those of separate [`lin`] calls for
+/// any thread count; it only saves the per-call fork/join cost of many small matvecs.
 fn lin_batch(pool: &Pool, x: &[f32], jobs: Vec<(TensorBytes<'_>, &mut [f32])>) {
-    let cols = x.len();
-    let ws: Vec<Cow<'_, [u16]>> = jobs.iter().map(|(t, _)| bf16_bits(*t)).collect();
-    let mut tasks: Vec<(&[u16], &mut [f32])> = Vec::new();
-    for (w, (_, out)) in ws.iter().zip(jobs) {
-        // tasks of >= 1 MB of one matrix's rows: each a contiguous stream (par::MIN_TASK_BYTES)
-        let per = stream_row_chunk(out.len(), cols * 2, pool.n_threads());
-        for (i, oc) in out.chunks_mut(per).enumerate() {
-            let r0 = i * per;
-            tasks.push((&w[r0 * cols..(r0 + oc.len()) * cols], oc));
-        }
-    }
-    let serial = Pool::new(1);
-    pool.for_each_chunk(&mut tasks, 1, |_, t| {
-        for (w, o) in t.iter_mut() {
-            matvec::matvec_bf16(&serial, w, x, o);
-        }
-    });
+    lin_many(pool, 1, jobs.into_iter().map(|(w, o)| (w, x, o)).collect());
 }
 
 /// The routed experts `ws` (one task each; `ws[t]` is the expert routed `at[t]`-th and writes
@@ -541,18 +525,15 @@ fn experts_with_rows(
         Work::Expert(ew, buf) => {
             // the slot is [gate ff | up ff | h ff | out]
             let (tmp, out) = buf.split_at_mut(3 * ff);
-            expert_ffn(serial, act, ff, xin, ew, tmp, out);
+            expert_ffn(act, ff, xin, ew, tmp, out);
         }
         Work::Rows(w, o) => matvec::matvec_bf16(serial, w, x, o),
     });
 }
 
 /// One routed expert on one thread: `out = W2 glu(W1 xin, W3 xin)` with `tmp` (`3 * ff`) as
-/// the gate / up / h scratch, each matvec the canonical row order (MXFP4 or BF16 weights; both
-/// kernels accumulate in the same canonical order, so an expert stored as BF16 holding the
-/// exact values of an MXFP4 one gives the same bits).
+/// the gate / up / h scratch (see [`expert_ffn_many`]).
 fn expert_ffn(
-    serial: &Pool,
     act: Activation,
     ff: usize,
     xin: &[f32],
@@ -560,24 +541,51 @@ fn expert_ffn(
     tmp: &mut [f32],
     out: &mut [f32],
 ) {
-    let (gate, rest) = tmp.split_at_mut(ff);
-    let (up, h) = rest.split_at_mut(ff);
-    let h = &mut h[..ff];
+    expert_ffn_many(act, ff, &[xin], ew, tmp, &mut [out]);
+}
+
+/// One routed expert applied to several inputs on one thread: `outs[t] = W2 glu(W1 xins[t],
+/// W3 xins[t])`, with `tmp` (`3 * ff` per input) as the gate / up / h scratch. Each weight
+/// row is decoded once for all the inputs (`rows_mxfp4_many` / `rows_bf16_many`), each output
+/// the canonical row order of its input alone (MXFP4 or BF16 weights; both kernels accumulate
+/// in the same canonical order, so an expert stored as BF16 holding the exact values of an
+/// MXFP4 one gives the same bits).
+fn expert_ffn_many(
+    act: Activation,
+    ff: usize,
+    xins: &[&[f32]],
+    ew: &ExpertWeights<'_>,
+    tmp: &mut [f32],
+    outs: &mut [&mut [f32]],
+) {
+    let n = xins.len();
+    let (gate, rest) = tmp[..3 * ff * n].split_at_mut(ff * n);
+    let (up, h) = rest.split_at_mut(ff * n);
+    let mut g: Vec<&mut [f32]> = gate.chunks_mut(ff).collect();
+    let mut u: Vec<&mut [f32]> = up.chunks_mut(ff).collect();
     match ew.format {
         ExpertFormat::Mxfp4 => {
-            matvec::matvec_mxfp4(serial, ew.w1_packed, ew.w1_scale, xin, gate);
-            matvec::matvec_mxfp4(serial, ew.w3_packed, ew.w3_scale, xin, up);
-            glu(act, gate, up, h);
-            matvec::matvec_mxfp4(serial, ew.w2_packed, ew.w2_scale, h, out);
+            matvec::rows_mxfp4_many(ew.w1_packed, ew.w1_scale, xins, &mut g);
+            matvec::rows_mxfp4_many(ew.w3_packed, ew.w3_scale, xins, &mut u);
         }
         ExpertFormat::Bf16 => {
-            matvec::matvec_bf16(serial, &bf16_of(ew.w1_packed), xin, gate);
-            matvec::matvec_bf16(serial, &bf16_of(ew.w3_packed), xin, up);
-            glu(act, gate, up, h);
-            matvec::matvec_bf16(serial, &bf16_of(ew.w2_packed), h, out);
+            matvec::rows_bf16_many(&bf16_of(ew.w1_packed), xins, &mut g);
+            matvec::rows_bf16_many(&bf16_of(ew.w3_packed), xins, &mut u);
         }
     }
+    for ((gi, ui), hi) in g.iter().zip(&u).zip(h.chunks_mut(ff)) {
+        glu(act, gi, ui, hi);
+    }
+    let hs: Vec<&[f32]> = h.chunks(ff).collect();
+    match ew.format {
+        ExpertFormat::Mxfp4 => matvec::rows_mxfp4_many(ew.w2_packed, ew.w2_scale, &hs, outs),
+        ExpertFormat::Bf16 => matvec::rows_bf16_many(&bf16_of(ew.w2_packed), &hs, outs),
+    }
 }
+
+/// Most tokens one task of an expert-major layer applies its expert to ([`Executor::moe_many`]):
+/// an expert most of a chunk chose is split into several tasks, so the threads stay balanced.
+const EXPERT_TOKENS_PER_TASK: usize = 8;
 
 /// How many MoE layers ahead the look-ahead expert guess reaches: during MoE layer L the
 /// experts of the second MoE layer after it are guessed (the first was guessed during the MoE
@@ -1141,7 +1149,7 @@ impl<'s> Executor<'s> {
             ..
         } = MoeDims::of(spec);
         let (d, act) = (spec.d_model, spec.activation);
-        let (pool, serial, s) = (&self.pool, &self.serial, &mut self.s);
+        let (pool, s) = (&self.pool, &mut self.s);
         let Rows {
             xn,
             mlp_out,
@@ -1195,18 +1203,28 @@ impl<'s> Executor<'s> {
         outs.resize(n * k * dz, 0.0);
         for group in union.chunks(k.max(1)) {
             let ews = experts.experts(l, group)?;
-            let mut tasks: Vec<(&[f32], &ExpertWeights<'_>, &mut [f32])> = Vec::new();
+            // per expert of the group: the inputs of the tokens that chose it, their slots
+            type Task<'a, 'w> = (&'a ExpertWeights<'w>, Vec<&'a [f32]>, Vec<&'a mut [f32]>);
+            let mut chose: Vec<Task<'_, '_>> = ews.iter().map(|ew| (ew, vec![], vec![])).collect();
             for (i, out) in outs.chunks_mut(k * dz).enumerate() {
                 for (&id, slot) in ids[i * k..(i + 1) * k].iter().zip(out.chunks_mut(dz)) {
                     if let Ok(g) = group.binary_search(&id) {
-                        tasks.push((&xin[i * dz..(i + 1) * dz], &ews[g], slot));
+                        chose[g].1.push(&xin[i * dz..(i + 1) * dz]);
+                        chose[g].2.push(slot);
                     }
                 }
             }
+            let mut tasks: Vec<Task<'_, '_>> = Vec::new();
+            for (ew, xs, os) in chose {
+                let mut os = os.into_iter();
+                for x in xs.chunks(EXPERT_TOKENS_PER_TASK) {
+                    tasks.push((ew, x.to_vec(), os.by_ref().take(x.len()).collect()));
+                }
+            }
             pool.for_each_chunk(&mut tasks, 1, |_, t| {
-                let (xin, ew, out) = &mut t[0];
-                let mut tmp = vec![0.0; 3 * ff];
-                expert_ffn(serial, act, ff, xin, ew, &mut tmp, out);
+                let (ew, xs, os) = &mut t[0];
+                let mut tmp = vec![0.0; 3 * ff * xs.len()];
+                expert_ffn_many(act, ff, xs, ew, &mut tmp, os);
             });
         }
         if sw > 0 {

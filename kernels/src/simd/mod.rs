@@ -83,3 +83,24 @@ pub(crate) fn rows_mxfp4(isa: Isa, packed: &[u8], scales: &[u8], x: &[f32], out:
         _ => rows_mxfp4_ref(packed, scales, x, out),
     }
 }
+
+/// `outs[t] = W xs[t]` for MXFP4 rows and several inputs, each output the bits of
+/// [`rows_mxfp4`] on its input; paths without a several-input kernel run the inputs in turn.
+pub(crate) fn rows_mxfp4_many(
+    isa: Isa,
+    packed: &[u8],
+    scales: &[u8],
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+) {
+    match isa {
+        // SAFETY: `isa` was resolved, so its target features were detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::avx512::rows_mxfp4_many(packed, scales, xs, outs) },
+        _ => {
+            for (x, o) in xs.iter().zip(outs.iter_mut()) {
+                rows_mxfp4(isa, packed, scales, x, o);
+            }
+        }
+    }
+}

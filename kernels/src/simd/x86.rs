@@ -339,6 +339,128 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// Rows `r0..r0+R` of an MXFP4 matvec for `N` inputs at once: each row block is decoded
+    /// once (as in [`group_mxfp4`]) and multiplied into every input's accumulator; each input
+    /// is permuted to the same lane map. The accumulator of (row, input) sees exactly the FMAs
+    /// [`group_mxfp4`] gives that row and input, in the same order: the same bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn group_mxfp4_n<const R: usize, const N: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; N],
+        r0: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        let cols = xs[0].len();
+        let (pb, nb) = (cols / 2, cols / 32);
+        let prow: [&[u8]; R] = rows_of(packed, r0, pb);
+        let srow: [&[u8]; R] = rows_of(scales, r0, nb);
+        // SAFETY: E2M1 holds exactly 16 f32.
+        let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+        let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+        let x_lanes = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        for b in 0..nb {
+            // SAFETY: b < nb: every input has 32 floats at 32b; every packed row has 16 bytes
+            // at 16b.
+            unsafe {
+                let mut x_lo = [_mm512_setzero_ps(); N];
+                let mut x_hi = [_mm512_setzero_ps(); N];
+                for t in 0..N {
+                    let xp = xs[t].as_ptr().add(32 * b);
+                    x_lo[t] = _mm512_permutexvar_ps(x_lanes, _mm512_loadu_ps(xp));
+                    x_hi[t] = _mm512_permutexvar_ps(x_lanes, _mm512_loadu_ps(xp.add(16)));
+                }
+                for i in 0..R {
+                    let s = _mm512_set1_ps(E8M0[srow[i][b] as usize]);
+                    let tb = _mm512_mul_ps(table, s);
+                    let p = prow[i].as_ptr().add(16 * b);
+                    if b.is_multiple_of(4) {
+                        prefetch_l2(p, R * pb);
+                    }
+                    let q_lo = _mm512_set1_epi64(std::ptr::read_unaligned(p.cast::<i64>()));
+                    let q_hi = _mm512_set1_epi64(std::ptr::read_unaligned(p.add(8).cast::<i64>()));
+                    let w_lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(q_lo, shifts), tb);
+                    let w_hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(q_hi, shifts), tb);
+                    for t in 0..N {
+                        acc[i][t] = _mm512_fmadd_ps(w_lo, x_lo[t], acc[i][t]);
+                        acc[i][t] = _mm512_fmadd_ps(w_hi, x_hi[t], acc[i][t]);
+                    }
+                }
+            }
+        }
+        for i in 0..R {
+            for t in 0..N {
+                let a = lanes(acc[i][t]);
+                let mut l = [0.0f32; LANES];
+                for (j, v) in a.into_iter().enumerate() {
+                    l[8 * (j % 2) + j / 2] = v;
+                }
+                outs[t][r0 + i] = tree16(l);
+            }
+        }
+    }
+
+    /// Every row of an MXFP4 matrix for `N` inputs (see [`group_mxfp4_n`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    fn rows_mxfp4_n<const N: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; N],
+        outs: &mut [&mut [f32]],
+    ) {
+        let rows = outs[0].len();
+        let mut r = 0;
+        while r + MXFP4_MANY_ROWS <= rows {
+            group_mxfp4_n::<MXFP4_MANY_ROWS, N>(packed, scales, xs, r, outs);
+            r += MXFP4_MANY_ROWS;
+        }
+        while r < rows {
+            group_mxfp4_n::<1, N>(packed, scales, xs, r, outs);
+            r += 1;
+        }
+    }
+
+    /// Rows in flight of the several-input MXFP4 kernel.
+    const MXFP4_MANY_ROWS: usize = 4;
+
+    /// `outs[t][r] = dot(decoded MXFP4 row r, xs[t])` for every input: four at a time through
+    /// [`group_mxfp4_n`], then two, then one ([`rows_mxfp4`]); the bits of [`rows_mxfp4`].
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    pub(crate) fn rows_mxfp4_many(
+        packed: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        outs: &mut [&mut [f32]],
+    ) {
+        let rows = outs.first().map_or(0, |o| o.len());
+        assert!(
+            xs.len() == outs.len()
+                && xs.iter().all(|x| {
+                    x.len().is_multiple_of(32)
+                        && packed.len() == rows * x.len() / 2
+                        && scales.len() == rows * x.len() / 32
+                })
+                && outs.iter().all(|o| o.len() == rows),
+            "rows_mxfp4_many: shape"
+        );
+        let mut t = 0;
+        while t + 4 <= xs.len() {
+            let x = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
+            rows_mxfp4_n::<4>(packed, scales, x, &mut outs[t..t + 4]);
+            t += 4;
+        }
+        if t + 2 <= xs.len() {
+            rows_mxfp4_n::<2>(packed, scales, [xs[t], xs[t + 1]], &mut outs[t..t + 2]);
+            t += 2;
+        }
+        if t < xs.len() {
+            rows_mxfp4(packed, scales, xs[t], outs[t]);
+        }
+    }
+
     /// `out[r] = dot(decoded MXFP4 row r, x)`; `cols % 32 == 0`.
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub(crate) fn rows_mxfp4(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {

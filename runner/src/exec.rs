@@ -72,6 +72,8 @@ struct KdaHead<'a> {
     seqs: Vec<([&'a mut [f32]; 3], &'a mut [f32])>,
     /// This head's output of each token of the pass.
     outs: Vec<&'a mut [f32]>,
+    /// The conv outputs q, k, v of the token being stepped [3 * D].
+    qkv: &'a mut [f32],
 }
 
 /// `v` cut into `h` slices of `n` (empty slices when `n == 0`).
@@ -237,6 +239,8 @@ struct Scratch {
     w_b: Vec<f32>,
     w_c: Vec<f32>,
     scores: Vec<f32>, // MLA attention scores [H*max_pos]
+    /// KDA: each head's conv outputs q, k, v [H * 3 * D] (one token at a time)
+    kda_qkv: Vec<f32>,
     // FFN
     ff_gate: Vec<f32>, // [max ff width]
     ff_up: Vec<f32>,
@@ -269,6 +273,7 @@ impl Scratch {
             w_b: z(b.max_small_tensor),
             w_c: z(b.max_small_tensor),
             scores: z(b.mla_heads * plan.max_positions),
+            kda_qkv: z(3 * b.kda_channels),
             ff_gate: z(b.max_ff),
             ff_up: z(b.max_ff),
             ff_h: z(b.max_ff),
@@ -1554,10 +1559,12 @@ impl<'s> Executor<'s> {
         let (q_scale, l2_eps) = (1.0 / (dk as f32).sqrt(), p.l2_eps);
         let (q, k, v, log_decay, beta) = (&*q, &*k, &*v, &*log_decay, &*beta);
         // head hh of every sequence: its conv windows and state
-        let mut heads: Vec<KdaHead<'_>> = (0..h)
-            .map(|_| KdaHead {
+        let mut heads: Vec<KdaHead<'_>> = s.kda_qkv[..3 * ch]
+            .chunks_mut(3 * dk)
+            .map(|qkv| KdaHead {
                 seqs: Vec::with_capacity(sts.len()),
                 outs: Vec::with_capacity(n),
+                qkv,
             })
             .collect();
         for st in sts.iter_mut() {
@@ -1581,7 +1588,9 @@ impl<'s> Executor<'s> {
         }
         pool.for_each_chunk(&mut heads, 1, |hh, t| {
             let t = &mut t[0];
-            let mut qkv = [vec![0.0f32; dk], vec![0.0f32; dk], vec![0.0f32; dk]];
+            let (qc, rest) = t.qkv.split_at_mut(dk);
+            let (kc, vc) = rest.split_at_mut(dk);
+            let mut qkv = [qc, kc, vc];
             for (i, &(seq, _)) in at.iter().enumerate() {
                 let (conv, state) = &mut t.seqs[seq];
                 let r = i * ch + hh * dk..i * ch + (hh + 1) * dk;

@@ -13,6 +13,12 @@
 //! memory-bound bf16/f32 kernels: at least 1 MB of weights per task; `par::row_chunk` for
 //! MXFP4); a row is always computed by one task, so the bits are identical for any `Pool`.
 //!
+//! **Several inputs** ([`rows_bf16_many`], [`rows_mxfp4_many`]: a prompt pass, an expert applied
+//! to every token that chose it): each output is the dot product of its row with its input in
+//! the order above, bit-identical to the one-input kernel; the weights are read (and widened or
+//! decoded) once for all inputs. AVX-512 keeps 4 rows x 4 inputs in registers; other paths run
+//! the one-input rows per input over cache-sized row blocks.
+//!
 //! **MXFP4 layout** (OCP MX, compressed-tensors): `packed` is `[rows, cols/2]` bytes, element
 //! `2j` in the LOW nibble of byte `j`, `2j+1` in the high nibble; `scales` is `[rows, cols/32]`
 //! E8M0 bytes, value `2^(byte - 127)`; byte 0 is 2^-127 (an f32 subnormal), 0xFF is NaN and

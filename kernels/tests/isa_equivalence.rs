@@ -345,5 +345,16 @@ fn k3_sized_rows_thread_invariant() {
             matvec_mxfp4_with(isa, pool, &packed, &scales, &x, &mut got);
             assert_same(&format!("mxfp4 {isa:?} {}", pool.n_threads()), &got, &want4);
         }
+        // several inputs (7: a group of 4, one of 2, one alone), x among them as the 6th
+        let mut xs: Vec<Vec<f32>> = (0..7).map(|_| r.f32s(cols, 2.0)).collect();
+        xs[5] = x.clone();
+        let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+        let mut outs = vec![vec![f32::NAN; rows]; 7];
+        let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        rows_bf16_many_with(isa, &w, &xr, &mut or);
+        assert_same(&format!("bf16 many {isa:?}"), &outs[5], &want);
+        let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
+        assert_same(&format!("mxfp4 many {isa:?}"), &outs[5], &want4);
     }
 }

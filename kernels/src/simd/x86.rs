@@ -6,7 +6,9 @@
 //! 16-block and the pairwise tree run in scalar code shared with the reference. `R` rows are
 //! kept in flight (independent accumulators, fully unrolled) to hide FMA latency; while a group
 //! of rows is computed, the next group's rows (contiguous in memory) are prefetched into L2.
-//! Neither changes any row's order.
+//! Neither changes any row's order. The several-input kernels (`*_many`, AVX-512) keep a
+//! group of rows x inputs in flight, one accumulator per (row, input), each fed exactly the
+//! FMAs the one-input kernel gives that row and input.
 //! Must not: use `vdpbf16ps` (its internal rounding differs from an FMA chain) or reassociate.
 //!
 //! Lane maps: AVX-512 bf16/f32: physical lane j = canonical lane j. AVX-512 MXFP4: one

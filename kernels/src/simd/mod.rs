@@ -59,9 +59,11 @@ pub(crate) fn rows_bf16(isa: Isa, w: &[u16], x: &[f32], out: &mut [f32]) {
 /// [`rows_bf16`] on its input; paths without a several-input kernel run the inputs in turn.
 pub(crate) fn rows_bf16_many(isa: Isa, w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
     match isa {
-        // SAFETY: `isa` was resolved, so its target features were detected.
+        // SAFETY (both arms): `isa` was resolved, so its target features were detected.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::avx512::rows_bf16_many(w, xs, outs) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::rows_bf16_many(w, xs, outs) },
         _ => {
             for (x, o) in xs.iter().zip(outs.iter_mut()) {
                 rows_bf16(isa, w, x, o);
@@ -94,9 +96,11 @@ pub(crate) fn rows_mxfp4_many(
     outs: &mut [&mut [f32]],
 ) {
     match isa {
-        // SAFETY: `isa` was resolved, so its target features were detected.
+        // SAFETY (both arms): `isa` was resolved, so its target features were detected.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::avx512::rows_mxfp4_many(packed, scales, xs, outs) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::avx2::rows_mxfp4_many(packed, scales, xs, outs) },
         _ => {
             for (x, o) in xs.iter().zip(outs.iter_mut()) {
                 rows_mxfp4(isa, packed, scales, x, o);

@@ -687,6 +687,166 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// Rows `r0..r0+R` of a bf16 matvec for `N` inputs at once: each 8 weights widened once
+    /// and FMA'd into every input's accumulator; (row, input) sees exactly the FMAs of
+    /// [`group_bf16`], so every output has its bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn group_bf16_n<const R: usize, const N: usize>(
+        w: &[u16],
+        xs: [&[f32]; N],
+        r0: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        let cols = xs[0].len();
+        let rows: [&[u16]; R] = rows_of(w, r0, cols);
+        let full = cols / LANES * LANES;
+        let mut acc = [[zero(); N]; R];
+        let mut c = 0;
+        while c < full {
+            // SAFETY: c + 16 <= full <= cols = length of every input and of every row.
+            unsafe {
+                let mut xv = [(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
+                for t in 0..N {
+                    let xp = xs[t].as_ptr().add(c);
+                    xv[t] = (_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8)));
+                }
+                for i in 0..R {
+                    let p = rows[i].as_ptr().add(c);
+                    if c.is_multiple_of(32) {
+                        prefetch_l2(p, R * cols * 2);
+                    }
+                    let (w0, w1) = (bf16x8(p), bf16x8(p.add(8)));
+                    for t in 0..N {
+                        acc[i][t].0 = _mm256_fmadd_ps(w0, xv[t].0, acc[i][t].0);
+                        acc[i][t].1 = _mm256_fmadd_ps(w1, xv[t].1, acc[i][t].1);
+                    }
+                }
+            }
+            c += LANES;
+        }
+        for i in 0..R {
+            for t in 0..N {
+                let mut l = lanes(acc[i][t]);
+                bf16_tail(&mut l, &rows[i][full..], &xs[t][full..]);
+                outs[t][r0 + i] = tree16(l);
+            }
+        }
+    }
+
+    /// `outs[t][r] = dot(bf16 row r, xs[t])` for every input: inputs two at a time through
+    /// [`group_bf16_n`] (2 rows x 2 inputs: 8 of the 16 vector registers accumulate), the last
+    /// one alone ([`rows_bf16`]); the bits of [`rows_bf16`] of each input.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn rows_bf16_many(w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        let rows = outs.first().map_or(0, |o| o.len());
+        assert!(
+            xs.len() == outs.len()
+                && xs.iter().all(|x| w.len() == rows * x.len())
+                && outs.iter().all(|o| o.len() == rows),
+            "rows_bf16_many: shape"
+        );
+        let mut t = 0;
+        while t + 2 <= xs.len() {
+            let x = [xs[t], xs[t + 1]];
+            let o = &mut outs[t..t + 2];
+            let mut r = 0;
+            while r + 2 <= rows {
+                group_bf16_n::<2, 2>(w, x, r, o);
+                r += 2;
+            }
+            if r < rows {
+                group_bf16_n::<1, 2>(w, x, r, o);
+            }
+            t += 2;
+        }
+        if t < xs.len() {
+            rows_bf16(w, xs[t], outs[t]);
+        }
+    }
+
+    /// One row `r` of an MXFP4 matvec for two inputs at once: each 8 weights decoded once
+    /// ([`mxfp4_x8`]) and FMA'd into both inputs' accumulators; (row, input) sees exactly the
+    /// FMAs of [`group_mxfp4`], so every output has its bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn row_mxfp4_2(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; 2],
+        r: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        let cols = xs[0].len();
+        let (pb, nb) = (cols / 2, cols / 32);
+        let prow = &packed[r * pb..(r + 1) * pb];
+        let srow = &scales[r * nb..(r + 1) * nb];
+        // SAFETY: E2M1 holds 16 f32; the first 8 are the non-negative magnitudes.
+        let e2m1 = unsafe { _mm256_loadu_ps(E2M1.as_ptr()) };
+        let mut acc = [zero(); 2];
+        for b in 0..nb {
+            // SAFETY: b < nb: both inputs have 32 floats at 32b; the row has 16 bytes at 16b.
+            unsafe {
+                let mag = _mm256_mul_ps(e2m1, _mm256_set1_ps(E8M0[srow[b] as usize]));
+                let p = prow.as_ptr().add(16 * b);
+                if b.is_multiple_of(4) {
+                    prefetch_l2(p, pb);
+                }
+                let w = [
+                    mxfp4_x8(p, mag),
+                    mxfp4_x8(p.add(4), mag),
+                    mxfp4_x8(p.add(8), mag),
+                    mxfp4_x8(p.add(12), mag),
+                ];
+                for t in 0..2 {
+                    let xp = xs[t].as_ptr().add(32 * b);
+                    let a = &mut acc[t];
+                    a.0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), a.0);
+                    a.1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), a.1);
+                    a.0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), a.0);
+                    a.1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), a.1);
+                }
+            }
+        }
+        for t in 0..2 {
+            outs[t][r] = tree16(lanes(acc[t]));
+        }
+    }
+
+    /// `outs[t][r] = dot(decoded MXFP4 row r, xs[t])` for every input: two at a time through
+    /// [`row_mxfp4_2`], the last one alone ([`rows_mxfp4`]); the bits of [`rows_mxfp4`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn rows_mxfp4_many(
+        packed: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        outs: &mut [&mut [f32]],
+    ) {
+        let rows = outs.first().map_or(0, |o| o.len());
+        assert!(
+            xs.len() == outs.len()
+                && xs.iter().all(|x| {
+                    x.len().is_multiple_of(32)
+                        && packed.len() == rows * x.len() / 2
+                        && scales.len() == rows * x.len() / 32
+                })
+                && outs.iter().all(|o| o.len() == rows),
+            "rows_mxfp4_many: shape"
+        );
+        let mut t = 0;
+        while t + 2 <= xs.len() {
+            let x = [xs[t], xs[t + 1]];
+            let o = &mut outs[t..t + 2];
+            for r in 0..rows {
+                row_mxfp4_2(packed, scales, x, r, o);
+            }
+            t += 2;
+        }
+        if t < xs.len() {
+            rows_mxfp4(packed, scales, xs[t], outs[t]);
+        }
+    }
+
     /// `out[r] = dot(decoded MXFP4 row r, x)`; `cols % 32 == 0`.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn rows_mxfp4(packed: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {

@@ -125,6 +125,61 @@ pub fn matvec_bf16_with(isa: Isa, pool: &Pool, w: &[u16], x: &[f32], out: &mut [
     });
 }
 
+/// bf16 weights `w: [rows, cols]` times SEVERAL inputs, rows split across the pool: `outs[t] =
+/// W xs[t]`, each output bit-identical to [`matvec_bf16`] of that input alone (a row is one
+/// task's, computed by [`rows_bf16_many`]). With one input this is [`matvec_bf16`].
+pub fn matvec_bf16_many(pool: &Pool, w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    matvec_bf16_many_with(active(), pool, w, xs, outs)
+}
+
+/// [`matvec_bf16_many`] on a forced path.
+pub fn matvec_bf16_many_with(
+    isa: Isa,
+    pool: &Pool,
+    w: &[u16],
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(
+        xs.len(),
+        outs.len(),
+        "matvec_bf16_many: one output per input"
+    );
+    if let ([x], [o]) = (xs, &mut *outs) {
+        return matvec_bf16_with(isa, pool, w, x, o);
+    }
+    let Some(first) = outs.first() else { return };
+    let (rows, cols) = (first.len(), xs[0].len());
+    assert_eq!(
+        w.len(),
+        rows * cols,
+        "matvec_bf16_many: w.len() != rows * cols"
+    );
+    if rows == 0 || cols == 0 {
+        // every output is an empty dot product (or there is none)
+        outs.iter_mut().for_each(|o| o.fill(0.0));
+        return;
+    }
+    // Tasks of rows for every input: the work of all inputs per task, as for a stream.
+    let per = stream_row_chunk(rows, cols * 2 * xs.len(), pool.n_threads());
+    let mut per_input: Vec<_> = outs.iter_mut().map(|o| o.chunks_mut(per)).collect();
+    let mut tasks: Vec<(&[u16], Vec<&mut [f32]>)> = w
+        .chunks(per * cols)
+        .map(|wc| {
+            let o = per_input
+                .iter_mut()
+                .map(|c| c.next().expect("one chunk per row range"))
+                .collect();
+            (wc, o)
+        })
+        .collect();
+    pool.for_each_chunk(&mut tasks, 1, |_, t| {
+        for (wc, o) in t.iter_mut() {
+            rows_bf16_many_with(isa, wc, xs, o);
+        }
+    });
+}
+
 /// Weight bytes of one block of [`rows_bf16_many`]: a block is applied to every input while
 /// it is in the core's cache.
 pub const MANY_BLOCK_BYTES: usize = 64 * 1024;

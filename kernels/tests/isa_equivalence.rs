@@ -9,8 +9,8 @@ use k3_kernels::attnres::attnres_mix_with;
 use k3_kernels::isa::{Isa, available};
 use k3_kernels::kda::{KdaGate, KdaStep, conv_step_with, kda_gate_with, kda_step_with};
 use k3_kernels::matvec::{
-    dot_f32_with, matvec_bf16_with, matvec_f32_with, matvec_mxfp4_with, mxfp4_dequant_row,
-    rows_bf16_many_with, rows_mxfp4_many_with,
+    dot_f32_with, matvec_bf16_many_with, matvec_bf16_with, matvec_f32_with, matvec_mxfp4_with,
+    mxfp4_dequant_row, rows_bf16_many_with, rows_mxfp4_many_with,
 };
 use k3_kernels::ops::*;
 use k3_kernels::router::{RouterCfg, Scoring, route_with};
@@ -56,10 +56,22 @@ proptest! {
             let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
             let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
             rows_bf16_many_with(isa, &w, &xr, &mut or);
+            let mut wants = Vec::new();
             for (x, got) in xs.iter().zip(&outs) {
                 let mut want = vec![0.0f32; rows];
                 matvec_bf16_with(Isa::Scalar, p1, &w, x, &mut want);
                 assert_same(&format!("bf16 many {isa:?} {rows}x{cols} of {n}"), got, &want);
+                wants.push(want);
+            }
+            // rows split across threads
+            for pool in pools() {
+                let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                or.iter_mut().for_each(|o| o.fill(f32::NAN));
+                matvec_bf16_many_with(isa, pool, &w, &xr, &mut or);
+                for (got, want) in outs.iter().zip(&wants) {
+                    let what = format!("bf16 many {isa:?} {} threads {rows}x{cols} of {n}", pool.n_threads());
+                    assert_same(&what, got, want);
+                }
             }
         }
     }

@@ -701,7 +701,7 @@ impl<'s> Executor<'s> {
         let Some(mut carries) = self.feed(tokens, state, w)? else {
             return Ok(());
         };
-        self.output_of(&mut carries, tokens.len() - 1, w, logits)
+        self.outputs_of(&mut carries, &[tokens.len() - 1], w, &mut [logits])
     }
 
     /// [`Self::prefill`] with the logits after each of the LAST `logits.len()` tokens:
@@ -725,10 +725,9 @@ impl<'s> Executor<'s> {
             return Ok(());
         };
         let first = tokens.len() - logits.len();
-        for (i, lg) in logits.iter_mut().enumerate() {
-            self.output_of(&mut carries, first + i, w, lg)?;
-        }
-        Ok(())
+        let which: Vec<usize> = (first..tokens.len()).collect();
+        let mut outs: Vec<&mut [f32]> = logits.iter_mut().map(|l| l.as_mut_slice()).collect();
+        self.outputs_of(&mut carries, &which, w, &mut outs)
     }
 
     /// Run `f` on token `k` of a layer-major call: its residual carry (token 0's is the
@@ -750,15 +749,29 @@ impl<'s> Executor<'s> {
         r
     }
 
-    /// [`Self::output`] for token `k` of a layer-major call (see [`Self::with_carry`]).
-    fn output_of(
+    /// The logits after tokens `which` of a layer-major call (indices as in
+    /// [`Self::with_carry`]) into `logits[j]` for `which[j]`: each token's final hidden state
+    /// ([`Self::out_hidden`]), then ONE lm_head pass for all of them (the matrix read once;
+    /// each row's bits those of a one-token pass).
+    fn outputs_of(
         &mut self,
         carries: &mut [Carry],
-        k: usize,
+        which: &[usize],
         w: &mut Providers<'_>,
-        logits: &mut [f32],
+        logits: &mut [&mut [f32]],
     ) -> Result<(), ExecError> {
-        self.with_carry(carries, k, |ex| ex.output(w, logits))
+        let d = self.spec.d_model;
+        self.rows.fit(which.len());
+        for (j, &k) in which.iter().enumerate() {
+            self.with_carry(carries, k, |ex| {
+                ex.out_hidden(w)?;
+                ex.rows.attn_out[j * d..(j + 1) * d].copy_from_slice(&ex.s.xn);
+                Ok(())
+            })?;
+        }
+        let hs: Vec<&[f32]> = self.rows.attn_out[..which.len() * d].chunks(d).collect();
+        w.global.lm_head_many(&self.pool, &hs, logits)?;
+        Ok(())
     }
 
     /// The layers of [`Self::prefill`]: `tokens` through every layer (layer-major), the state
@@ -908,13 +921,20 @@ impl<'s> Executor<'s> {
             }
             self.layer_done(at.len());
         }
-        let mut k = 0;
-        for ((st, lg), p) in states.iter_mut().zip(logits.iter_mut()).zip(parts) {
-            k += p.len();
-            self.output_of(&mut carries, k - 1, w, lg)?;
+        // each sequence's last token
+        let which: Vec<usize> = parts
+            .iter()
+            .scan(0, |k, p| {
+                *k += p.len();
+                Some(*k - 1)
+            })
+            .collect();
+        // every state is past its tokens now (as `feed` leaves it before the output head)
+        for (st, p) in states.iter_mut().zip(parts) {
             st.n_pos += p.len();
         }
-        Ok(())
+        let mut outs: Vec<&mut [f32]> = logits.iter_mut().map(|l| l.as_mut_slice()).collect();
+        self.outputs_of(&mut carries, &which, w, &mut outs)
     }
 
     /// h = E[token] for each token (the residual stream starts as the partial sum P): the
@@ -944,9 +964,9 @@ impl<'s> Executor<'s> {
         Ok(carries)
     }
 
-    /// The output head for the residual carry in the scratch: the final AttnRes mix (or the
-    /// residual stream), the final norm and the lm_head into `logits`.
-    fn output(&mut self, w: &mut Providers<'_>, logits: &mut [f32]) -> Result<(), ExecError> {
+    /// out.hidden for the residual carry in the scratch: the final AttnRes mix (or the
+    /// residual stream) and the final norm, into `s.xn` (the lm_head's input).
+    fn out_hidden(&mut self, w: &Providers<'_>) -> Result<(), ExecError> {
         let spec = self.spec;
         let s = &mut self.s;
         // out.hidden
@@ -979,8 +999,6 @@ impl<'s> Executor<'s> {
             })?;
         let n = widen(fnorm, &mut s.w_a);
         ops::rmsnorm(&s.x, Some(&s.w_a[..n]), spec.rms_norm_eps, &mut s.xn);
-        // out.logits
-        w.global.lm_head(&self.pool, &s.xn, logits)?;
         Ok(())
     }
 

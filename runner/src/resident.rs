@@ -511,6 +511,15 @@ impl GlobalSource for ResidentGlobal<'_> {
     }
 
     fn lm_head(&mut self, pool: &Pool, x: &[f32], logits: &mut [f32]) -> Result<(), WeightError> {
+        self.lm_head_many(pool, &[x], &mut [logits])
+    }
+
+    fn lm_head_many(
+        &mut self,
+        pool: &Pool,
+        xs: &[&[f32]],
+        logits: &mut [&mut [f32]],
+    ) -> Result<(), WeightError> {
         let bytes = resolve(self.arena.as_ref(), self.lm_head.1);
         let w: std::borrow::Cow<'_, [u16]> = match bytemuck::try_cast_slice::<u8, u16>(bytes) {
             Ok(s) if cfg!(target_endian = "little") => std::borrow::Cow::Borrowed(s),
@@ -521,7 +530,7 @@ impl GlobalSource for ResidentGlobal<'_> {
                     .collect(),
             ),
         };
-        matvec::matvec_bf16(pool, &w, x, logits);
+        matvec::matvec_bf16_many(pool, &w, xs, logits);
         Ok(())
     }
 

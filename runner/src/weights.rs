@@ -228,6 +228,21 @@ pub trait GlobalSource: Send {
         x: &[f32],
         logits: &mut [f32],
     ) -> Result<(), WeightError>;
+    /// [`Self::lm_head`] for several inputs: `logits[t] = lm_head · xs[t]`, each bit-identical
+    /// to its own `lm_head` call. Sources that can should read the matrix once for all inputs
+    /// (a verify pass or a batch step wants several positions' logits; real K3's lm_head is
+    /// 2.3 GB); this default calls `lm_head` per input.
+    fn lm_head_many(
+        &mut self,
+        pool: &k3_kernels::par::Pool,
+        xs: &[&[f32]],
+        logits: &mut [&mut [f32]],
+    ) -> Result<(), WeightError> {
+        for (x, l) in xs.iter().zip(logits.iter_mut()) {
+            self.lm_head(pool, x, l)?;
+        }
+        Ok(())
+    }
     /// A small global tensor (final norm, output AttnRes proj/norm) as raw bytes.
     fn small(&self, role: TensorRole) -> Option<TensorBytes<'_>>;
 }

@@ -65,6 +65,43 @@ fn streamed_globals_match_resident_bits_at_any_chunk_size() {
                 assert_eq!(v.to_bits(), (w as u32) << 16, "token {tok} col {j}");
             }
         }
+        // several inputs through one read of each chunk (a verify pass, a batch step): each
+        // input's logits are the one-input bits, x among them
+        let xs: Vec<Vec<f32>> = (0..5)
+            .map(|t| {
+                if t == 3 {
+                    x.clone()
+                } else {
+                    x.iter().map(|v| v * (t as f32 - 1.5)).collect()
+                }
+            })
+            .collect();
+        let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+        let mut outs = vec![vec![f32::NAN; spec.vocab_size]; 5];
+        let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        let before = g.io().0;
+        g.lm_head(&pool, &x, &mut got).expect("lm_head");
+        let one_pass = g.io().0 - before;
+        g.lm_head_many(&pool, &xr, &mut or).expect("lm_head_many");
+        assert_eq!(
+            g.io().0 - before - one_pass,
+            one_pass,
+            "the matrix is read once for all inputs (chunks of {chunk_rows})"
+        );
+        for (t, (o, xt)) in outs.iter().zip(&xs).enumerate() {
+            let mut one = vec![0f32; spec.vocab_size];
+            matvec_bf16(&pool, &lm_bits, xt, &mut one);
+            let same = o.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "input {t} with chunks of {chunk_rows}");
+        }
+        assert!(
+            outs[3]
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        let mut short = vec![0f32; spec.vocab_size - 1];
+        assert!(g.lm_head_many(&pool, &[&x], &mut [&mut short]).is_err());
         let mut row = vec![0f32; d];
         assert!(g.embed_row(spec.vocab_size as u32, &mut row).is_err());
         let fin = g.small(TensorRole::FinalNorm).expect("final norm");

@@ -99,13 +99,13 @@ pub(super) fn carve<const N: usize>(mut buf: &mut [f32], lens: [usize; N]) -> [&
     out
 }
 
-/// Several bf16 projections of `n` tokens in ONE parallel dispatch: job `(w, xs, outs)` is
-/// `outs[i] = W xs[i]` for each token `i` (`xs: [n, cols]`, `outs: [n, rows]`, row-major).
-/// Tasks are row ranges of one matrix; a task computes its rows for every token, reading the
-/// weights once ([`matvec::rows_bf16_many`]). Every output row is one canonical dot product
-/// on one thread, so the bits equal separate one-token matvecs for any thread count and any
-/// `n`. With one token this is the decode step's path: tasks of at least 1 MB of rows, each
-/// a contiguous stream (`matvec_bf16`).
+/// Several bf16 projections of `n` tokens: job `(w, xs, outs)` is `outs[i] = W xs[i]` for
+/// each token `i` (`xs: [n, cols]`, `outs: [n, rows]`, row-major), each job one dispatch of
+/// [`matvec::matvec_bf16_many`] (tasks are row ranges computed for every token, the weights
+/// read once). Every output row is one canonical dot product on one thread, so the bits equal
+/// separate one-token matvecs for any thread count and any `n`. With one token (a decode
+/// step) every job's row chunks go into ONE dispatch: tasks of at least 1 MB of rows, each a
+/// contiguous stream (`matvec_bf16`), without a fork/join per small matrix.
 pub(super) fn lin_many(pool: &Pool, n: usize, jobs: Vec<(TensorBytes<'_>, &[f32], &mut [f32])>) {
     if n == 0 {
         return;
@@ -139,12 +139,6 @@ pub(super) fn lin_many(pool: &Pool, n: usize, jobs: Vec<(TensorBytes<'_>, &[f32]
         });
         return;
     }
-    struct Task<'a> {
-        w: &'a [u16],
-        xs: Vec<&'a [f32]>,
-        outs: Vec<&'a mut [f32]>,
-    }
-    let mut tasks: Vec<Task<'_>> = Vec::new();
     for (w, (_, xs, outs)) in ws.iter().zip(jobs) {
         let (rows, cols) = (outs.len() / n, xs.len() / n);
         assert!(
@@ -154,36 +148,18 @@ pub(super) fn lin_many(pool: &Pool, n: usize, jobs: Vec<(TensorBytes<'_>, &[f32]
             xs.len(),
             outs.len()
         );
-        if rows == 0 {
-            continue;
+        // One dispatch per matrix (a pass's projections are tens of microseconds of work per
+        // token: the fork/join is small beside them).
+        let x_rows: Vec<&[f32]> = (0..n).map(|i| &xs[i * cols..(i + 1) * cols]).collect();
+        let mut out_rows: Vec<&mut [f32]> = Vec::with_capacity(n);
+        let mut rest = outs;
+        for _ in 0..n {
+            let (o, r) = std::mem::take(&mut rest).split_at_mut(rows);
+            out_rows.push(o);
+            rest = r;
         }
-        // One token: tasks of >= 1 MB of one matrix's rows (a contiguous stream each,
-        // par::MIN_TASK_BYTES). Several: the weights are read once per task for all tokens, so
-        // the work is compute-bound; tasks as for the stream, sized by the work of all tokens.
-        let per = stream_row_chunk(rows, cols * 2 * n, pool.n_threads());
-        if cols == 0 {
-            // an empty dot product (the kernels' value for zero columns)
-            outs.fill(0.0);
-            continue;
-        }
-        let x_rows: Vec<&[f32]> = xs.chunks(cols).collect();
-        let mut out_chunks: Vec<_> = outs.chunks_mut(rows).map(|o| o.chunks_mut(per)).collect();
-        for wc in w.chunks(per * cols) {
-            tasks.push(Task {
-                w: wc,
-                xs: x_rows.clone(),
-                outs: out_chunks
-                    .iter_mut()
-                    .map(|c| c.next().expect("one chunk per row range"))
-                    .collect(),
-            });
-        }
+        matvec::matvec_bf16_many(pool, w, &x_rows, &mut out_rows);
     }
-    pool.for_each_chunk(&mut tasks, 1, |_, t| {
-        for t in t.iter_mut() {
-            matvec::rows_bf16_many(t.w, &t.xs, &mut t.outs);
-        }
-    });
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use k3_kernels::matvec::matvec_bf16;
+use k3_kernels::matvec::matvec_bf16_many;
 use k3_kernels::par::Pool;
 use k3_models::spec::{DType, ModelSpec, TensorDecl, TensorRole};
 
@@ -217,16 +217,33 @@ impl GlobalSource for StreamedGlobal {
     }
 
     fn lm_head(&mut self, pool: &Pool, x: &[f32], logits: &mut [f32]) -> Result<(), WeightError> {
+        self.lm_head_many(pool, &[x], &mut [logits])
+    }
+
+    /// Each chunk of rows read once and applied to every input.
+    fn lm_head_many(
+        &mut self,
+        pool: &Pool,
+        xs: &[&[f32]],
+        logits: &mut [&mut [f32]],
+    ) -> Result<(), WeightError> {
         let m = &self.lm_head;
-        if x.len() != m.cols || logits.len() != m.rows {
+        let bad = xs
+            .iter()
+            .zip(logits.iter())
+            .map(|(x, l)| (x.len(), l.len()))
+            .find(|&(x, l)| x != m.cols || l != m.rows)
+            .or((xs.len() != logits.len()).then_some((0, 0)));
+        if let Some((x, l)) = bad {
             return Err(WeightError::Invalid {
                 name: m.name.clone(),
                 msg: format!(
-                    "shape [{}, {}] does not match x ({}) and logits ({})",
+                    "shape [{}, {}] does not match x ({}) and logits ({}) of {} inputs",
                     m.rows,
                     m.cols,
-                    x.len(),
-                    logits.len()
+                    x,
+                    l,
+                    xs.len()
                 ),
             });
         }
@@ -261,7 +278,8 @@ impl GlobalSource for StreamedGlobal {
                     &self.bits
                 }
             };
-            matvec_bf16(pool, w, x, &mut logits[r0..r0 + n]);
+            let mut outs: Vec<&mut [f32]> = logits.iter_mut().map(|l| &mut l[r0..r0 + n]).collect();
+            matvec_bf16_many(pool, w, xs, &mut outs);
             r0 += n;
         }
         Ok(())

@@ -39,6 +39,35 @@ macro_rules! row_groups {
     }};
 }
 
+/// The rows of a several-input bf16 call, after checking every shape its kernels read within
+/// (one output per input, `w` = rows x cols for every input).
+fn bf16_many_rows(w: &[u16], xs: &[&[f32]], outs: &[&mut [f32]]) -> usize {
+    let rows = outs.first().map_or(0, |o| o.len());
+    assert!(
+        xs.len() == outs.len()
+            && xs.iter().all(|x| w.len() == rows * x.len())
+            && outs.iter().all(|o| o.len() == rows),
+        "rows_bf16_many: shape"
+    );
+    rows
+}
+
+/// [`bf16_many_rows`] for MXFP4 (`cols % 32 == 0`, packed and scale bytes of rows x cols).
+fn mxfp4_many_rows(packed: &[u8], scales: &[u8], xs: &[&[f32]], outs: &[&mut [f32]]) -> usize {
+    let rows = outs.first().map_or(0, |o| o.len());
+    assert!(
+        xs.len() == outs.len()
+            && xs.iter().all(|x| {
+                x.len().is_multiple_of(32)
+                    && packed.len() == rows * x.len() / 2
+                    && scales.len() == rows * x.len() / 32
+            })
+            && outs.iter().all(|o| o.len() == rows),
+        "rows_mxfp4_many: shape"
+    );
+    rows
+}
+
 // -------------------------------------------------------------------------------------------
 // AVX-512F
 // -------------------------------------------------------------------------------------------
@@ -255,13 +284,7 @@ pub(crate) mod avx512 {
     /// of each input.
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub(crate) fn rows_bf16_many(w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-        let rows = outs.first().map_or(0, |o| o.len());
-        assert!(
-            xs.len() == outs.len()
-                && xs.iter().all(|x| w.len() == rows * x.len())
-                && outs.iter().all(|o| o.len() == rows),
-            "rows_bf16_many: shape"
-        );
+        bf16_many_rows(w, xs, outs);
         let mut t = 0;
         while t + 4 <= xs.len() {
             let x = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
@@ -437,17 +460,7 @@ pub(crate) mod avx512 {
         xs: &[&[f32]],
         outs: &mut [&mut [f32]],
     ) {
-        let rows = outs.first().map_or(0, |o| o.len());
-        assert!(
-            xs.len() == outs.len()
-                && xs.iter().all(|x| {
-                    x.len().is_multiple_of(32)
-                        && packed.len() == rows * x.len() / 2
-                        && scales.len() == rows * x.len() / 32
-                })
-                && outs.iter().all(|o| o.len() == rows),
-            "rows_mxfp4_many: shape"
-        );
+        mxfp4_many_rows(packed, scales, xs, outs);
         let mut t = 0;
         while t + 4 <= xs.len() {
             let x = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
@@ -739,13 +752,7 @@ pub(crate) mod avx2 {
     /// one alone ([`rows_bf16`]); the bits of [`rows_bf16`] of each input.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn rows_bf16_many(w: &[u16], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-        let rows = outs.first().map_or(0, |o| o.len());
-        assert!(
-            xs.len() == outs.len()
-                && xs.iter().all(|x| w.len() == rows * x.len())
-                && outs.iter().all(|o| o.len() == rows),
-            "rows_bf16_many: shape"
-        );
+        let rows = bf16_many_rows(w, xs, outs);
         let mut t = 0;
         while t + 2 <= xs.len() {
             let x = [xs[t], xs[t + 1]];
@@ -822,17 +829,7 @@ pub(crate) mod avx2 {
         xs: &[&[f32]],
         outs: &mut [&mut [f32]],
     ) {
-        let rows = outs.first().map_or(0, |o| o.len());
-        assert!(
-            xs.len() == outs.len()
-                && xs.iter().all(|x| {
-                    x.len().is_multiple_of(32)
-                        && packed.len() == rows * x.len() / 2
-                        && scales.len() == rows * x.len() / 32
-                })
-                && outs.iter().all(|o| o.len() == rows),
-            "rows_mxfp4_many: shape"
-        );
+        let rows = mxfp4_many_rows(packed, scales, xs, outs);
         let mut t = 0;
         while t + 2 <= xs.len() {
             let x = [xs[t], xs[t + 1]];

@@ -49,7 +49,8 @@ def main():
             x = d[os.environ.get("AB_FIELD", "seconds_per_token")]
             res[v].append(x)
             print(label, round(x, 4), round(e.get("read_seconds", 0), 3),
-                  d["generated_ids"][:3], flush=True)
+                  d.get("generated_ids", [s.get("generated_ids", [])[:2]
+                                          for s in d.get("sequences", [])])[:3], flush=True)
     for v in variants:
         xs = res[v]
         if xs:

@@ -8,10 +8,11 @@
 //! Follows upstream: `../shared/research/k3-architecture.md` §4 (HF `modeling_kimi_linear.py`
 //! semantics) with the seed engine's precision model (NUMERICS.md §2): every activation stays
 //! f32, weights are widened exactly from bf16 / MXFP4. Every position goes through the same
-//! kernel calls in the same order whether fed token by token ([`Executor::step`]) or
+//! kernel calls on the same inputs whether fed token by token ([`Executor::step`]) or
 //! layer-major in a chunk ([`Executor::prefill`]: each layer applied to every token of the
-//! chunk before the next layer), so prefill, full recompute and incremental decode give the
-//! same bits (NUMERICS.md §1).
+//! chunk before the next layer, each projection one token-major matvec for all of them whose
+//! rows have the one-token bits, see `exec/rows.rs`), so prefill, full recompute and
+//! incremental decode give the same bits (NUMERICS.md §1).
 //!
 //! Tap names (rule of thumb 3) used in comments and dumps: `blk.{l}.attn_in`, `blk.{l}.attn_out`,
 //! `blk.{l}.mlp_in`, `blk.{l}.mlp_out`, `out.hidden`, `out.logits`.
@@ -684,11 +685,12 @@ impl<'s> Executor<'s> {
     }
 
     /// Feed `tokens` at positions `state.n_pos..`, LAYER-MAJOR: each layer's weights are
-    /// fetched once and applied to every token in turn (token order inside the layer), so a
-    /// streamed trunk is read once per call instead of once per token. Writes the logits after
-    /// the LAST token only. Every token goes through exactly the operations of [`Self::step`]
-    /// in the same order with the same per-layer state, so the bits equal feeding the tokens
-    /// one by one. The expert source sees one `begin_token` per call. Holds one residual
+    /// fetched once and applied to all the tokens ([`Self::layer_many`]: each projection one
+    /// matvec for all of them, the recurrence in token order), so a streamed trunk is read once
+    /// per call instead of once per token and every weight streams from memory once. Writes
+    /// the logits after the LAST token only. Every token goes through the operations of
+    /// [`Self::step`] on the same inputs with the same per-layer state, so the bits equal
+    /// feeding the tokens one by one. The expert source sees one `begin_token` per call. Holds one residual
     /// carry (d_model floats per AttnRes block) per token: callers chunk long prompts
     /// ([`Self::prefill_chunk`]).
     pub fn prefill(

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Rng, assert_same, pools, same_bits};
+use common::{Rng, assert_same, pools, same_bits, views, views_mut};
 use k3_kernels::attn::{MlaCache, MlaShape, mla_attend_with};
 use k3_kernels::attnres::attnres_mix_with;
 use k3_kernels::isa::{Isa, available};
@@ -53,8 +53,8 @@ proptest! {
         let p1 = &pools()[0];
         for isa in paths() {
             let mut outs = vec![vec![f32::NAN; rows]; n];
-            let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
-            let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            let xr = views(&xs);
+            let mut or = views_mut(&mut outs);
             rows_bf16_many_with(isa, &w, &xr, &mut or);
             let mut wants = Vec::new();
             for (x, got) in xs.iter().zip(&outs) {
@@ -65,7 +65,7 @@ proptest! {
             }
             // rows split across threads
             for pool in pools() {
-                let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                let mut or = views_mut(&mut outs);
                 or.iter_mut().for_each(|o| o.fill(f32::NAN));
                 matvec_bf16_many_with(isa, pool, &w, &xr, &mut or);
                 for (got, want) in outs.iter().zip(&wants) {
@@ -89,8 +89,8 @@ proptest! {
         let p1 = &pools()[0];
         for isa in paths() {
             let mut outs = vec![vec![f32::NAN; rows]; n];
-            let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
-            let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            let xr = views(&xs);
+            let mut or = views_mut(&mut outs);
             rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
             for (x, got) in xs.iter().zip(&outs) {
                 let mut want = vec![0.0f32; rows];
@@ -360,12 +360,12 @@ fn k3_sized_rows_thread_invariant() {
         // several inputs (7: a group of 4, one of 2, one alone), x among them as the 6th
         let mut xs: Vec<Vec<f32>> = (0..7).map(|_| r.f32s(cols, 2.0)).collect();
         xs[5] = x.clone();
-        let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+        let xr = views(&xs);
         let mut outs = vec![vec![f32::NAN; rows]; 7];
-        let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        let mut or = views_mut(&mut outs);
         rows_bf16_many_with(isa, &w, &xr, &mut or);
         assert_same(&format!("bf16 many {isa:?}"), &outs[5], &want);
-        let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        let mut or = views_mut(&mut outs);
         rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
         assert_same(&format!("mxfp4 many {isa:?}"), &outs[5], &want4);
     }

@@ -96,3 +96,15 @@ impl Rng {
         }
     }
 }
+
+/// The several-input kernels' argument forms: each input as a slice ...
+#[allow(dead_code)] // not every test binary that includes `common` uses it
+pub fn views(v: &[Vec<f32>]) -> Vec<&[f32]> {
+    v.iter().map(|x| x.as_slice()).collect()
+}
+
+/// ... and each output as a mutable slice.
+#[allow(dead_code)]
+pub fn views_mut(v: &mut [Vec<f32>]) -> Vec<&mut [f32]> {
+    v.iter_mut().map(|x| x.as_mut_slice()).collect()
+}

@@ -74,6 +74,11 @@ pub struct PackCli {
     /// Model manifest (default: the built-in kimi-k3 manifest).
     #[arg(long)]
     pub manifest: Option<PathBuf>,
+    /// Store the layers compressed, losslessly (byte planes + zstd): fewer bytes read per
+    /// token, decoded by the reader threads back to the same bytes. Pays off when the disk,
+    /// not the CPU, bounds streaming (docs/STREAMING.md, "Compressed trunk").
+    #[arg(long)]
+    pub compress: bool,
 }
 
 #[derive(Args, Debug)]
@@ -1280,7 +1285,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 fn pack_main(p: &PackCli) -> Result<u8, Failure> {
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), None)?;
-    let r = crate::stream::pack::run(&p.model_dir, &spec, &p.trunk_dir).map_err(stream_failure)?;
+    let r = crate::stream::pack::run(&p.model_dir, &spec, &p.trunk_dir, p.compress)
+        .map_err(stream_failure)?;
     println!("{}", r.summary());
     Ok(exit::OK)
 }
@@ -1343,8 +1349,20 @@ fn plan_packed_trunk(
         crate::stream::gb_to_bytes(gb, "--trunk-gb").map_err(|e| Failure::usage(e.to_string()))?;
     let m = crate::stream::pack::TrunkManifest::load(dir, spec)
         .map_err(|e| Failure::usage(e.to_string()))?;
-    crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
-        .map_err(|e| Failure::usage(e.to_string()))
+    // As `StreamedTrunk::open` does: a compressed trunk's record buffers (one per reader
+    // thread of the default I/O policy) come out of the budget.
+    let staging = m.compression.as_ref().map_or(0, |c| {
+        crate::stream::compress::Staging::bytes_for(
+            crate::stream::trunk::TrunkOptions::default().read_threads,
+            c.chunk_bytes,
+        )
+    });
+    crate::stream::plan::plan_trunk(
+        &m.layer_sizes(),
+        budget.saturating_sub(staging),
+        p.trunk_ring,
+    )
+    .map_err(|e| Failure::usage(e.to_string()))
 }
 
 /// Entry point used by `main`.

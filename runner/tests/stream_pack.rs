@@ -145,3 +145,117 @@ fn incomplete_or_mismatched_packs_are_refused_by_the_loader() {
     let e = m.validate(&other).expect_err("spec mismatch");
     assert!(e.contains("layer 2"), "{e}");
 }
+
+/// `pack-trunk --compress`: deterministic, smaller, and every layer read back (pinned and
+/// streamed) is the checkpoint's own bytes; a tampered chunk table or a damaged record is an
+/// error naming the layer and chunk, never different bytes.
+#[test]
+fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
+    use k3_run::stream::pack::pack_trunk_with;
+    use k3_run::stream::trunk::{StreamedTrunk, TrunkOptions};
+    use k3_run::weights::TrunkSource;
+
+    let dir = test_dir("pack_compressed");
+    let (model, spec) = synth_tiny(&dir, 5);
+    let cb = 8 << 10;
+    let a = dir.join("z_a");
+    let b = dir.join("z_b");
+    let ra = pack_trunk_with(&model, &spec, &a, false, Some(cb)).expect("first pack");
+    pack_trunk_with(&model, &spec, &b, false, Some(cb)).expect("second pack");
+    for f in [TRUNK_BIN, TRUNK_JSON] {
+        let x = std::fs::read(a.join(f)).expect("read a");
+        let y = std::fs::read(b.join(f)).expect("read b");
+        assert!(x == y, "{f} differs between two compressed packs");
+    }
+    let stored = ra
+        .stored_bytes
+        .expect("a compressed pack reports its stored bytes");
+    assert!(
+        stored * 10 < ra.packed_bytes * 9,
+        "stored {stored} of {} layer bytes",
+        ra.packed_bytes
+    );
+    assert!(pack_trunk_with(&model, &spec, &dir.join("bad"), false, Some(5000)).is_err());
+    let m = TrunkManifest::load(&a, &spec).expect("manifest validates");
+    assert_eq!(m.version, k3_run::stream::pack::VERSION_COMPRESSED);
+    assert!(m.layers.iter().all(|l| {
+        l.stored
+            .as_ref()
+            .is_some_and(|s| s.chunks.len() == l.size.div_ceil(cb) as usize)
+    }));
+
+    // Every layer, pinned (budget for all) and streamed (one slot), equals the checkpoint.
+    let ck = open_ckpt(&model, &spec);
+    let one_slot = k3_run::stream::compress::Staging::bytes_for(3, cb)
+        + m.layer_sizes()
+            .iter()
+            .map(|s| s.next_multiple_of(4096))
+            .max()
+            .expect("layers");
+    for budget in [1u64 << 30, one_slot] {
+        let opts = TrunkOptions {
+            budget_bytes: budget,
+            ring_slots: 1,
+            read_threads: 3,
+            ..TrunkOptions::default()
+        };
+        let mut t = StreamedTrunk::open(&a, &spec, &opts).expect("open compressed trunk");
+        for l in 0..spec.n_layers {
+            let lw = t.layer(l).expect("layer reads");
+            for tb in &lw.tensors {
+                let want = ck.try_bytes(&tb.decl.name).expect("tensor in checkpoint");
+                assert!(
+                    tb.bytes == want,
+                    "budget {budget}: {} differs",
+                    tb.decl.name
+                );
+            }
+        }
+        let st = t.stats();
+        assert!(st.bytes_read > 0);
+        if budget == one_slot {
+            assert!(st.pinned_layers < st.n_layers, "{st:?}");
+        }
+    }
+
+    // A tampered chunk table: a record offset that is not aligned.
+    let json = std::fs::read_to_string(a.join(TRUNK_JSON)).expect("json");
+    let mut v: serde_json::Value = serde_json::from_str(&json).expect("parse");
+    v["layers"][1]["stored"]["chunks"][1]["at"] = serde_json::json!(4097);
+    let bad = dir.join("z_badjson");
+    std::fs::create_dir_all(&bad).expect("mkdir");
+    std::fs::copy(a.join(TRUNK_BIN), bad.join(TRUNK_BIN)).expect("copy");
+    std::fs::write(bad.join(TRUNK_JSON), v.to_string()).expect("write");
+    let e = TrunkManifest::load(&bad, &spec).expect_err("misaligned record refused");
+    assert!(e.to_string().contains("layer 1, chunk 1"), "{e}");
+
+    // A damaged record: the exception count of layer 1's first coded record.
+    let pl = m.layers[1].clone();
+    let s = pl.stored.as_ref().expect("stored");
+    let (k, ch) = s
+        .chunks
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.z)
+        .expect("a coded record in layer 1");
+    let raw_len = k3_run::stream::compress::chunk_raw_len(pl.size, cb, k);
+    let pos = (pl.offset + ch.at) as usize + k3_run::stream::compress::planes(raw_len).0;
+    let mut bin = std::fs::read(a.join(TRUNK_BIN)).expect("bin");
+    bin[pos] ^= 0x01;
+    let dmg = dir.join("z_damaged");
+    std::fs::create_dir_all(&dmg).expect("mkdir");
+    std::fs::write(dmg.join(TRUNK_BIN), &bin).expect("write");
+    std::fs::copy(a.join(TRUNK_JSON), dmg.join(TRUNK_JSON)).expect("copy");
+    let opts = TrunkOptions {
+        budget_bytes: 1 << 30,
+        ..TrunkOptions::default()
+    };
+    let e = StreamedTrunk::open(&dmg, &spec, &opts)
+        .map(|_| ())
+        .expect_err("a damaged record is an error");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("layer 1, chunk {k}")) && msg.contains("damaged"),
+        "{msg}"
+    );
+}

@@ -128,10 +128,24 @@ pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
     if !trunk.join("trunk.json").is_file() {
         let _ = std::fs::remove_dir_all(&trunk);
         let (spec_m, _ck) = open_model(&model);
-        k3_run::stream::pack::run(&model, &spec_m, &trunk)
+        k3_run::stream::pack::run(&model, &spec_m, &trunk, false)
             .unwrap_or_else(|e| panic!("pack {spec}: {e}"));
     }
     (model, trunk)
+}
+
+/// The trunk of `model` packed compressed (`pack-trunk --compress`) with `chunk_bytes`-byte
+/// chunks into `out` (written once; later calls reuse it).
+pub fn pack_compressed(model: &Path, chunk_bytes: u64, out: &Path) -> PathBuf {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    if !out.join("trunk.json").is_file() {
+        let _ = std::fs::remove_dir_all(out);
+        let (spec_m, _ck) = open_model(model);
+        k3_run::stream::pack::pack_trunk_with(model, &spec_m, out, false, Some(chunk_bytes))
+            .unwrap_or_else(|e| panic!("pack --compress {}: {e}", model.display()));
+    }
+    out.to_path_buf()
 }
 
 /// What a run produced, for bit-identity comparisons and snapshots.

@@ -5,9 +5,9 @@
 //! bits. Models are synthetic, written under target/ (not tmpfs, where O_DIRECT alignment bugs
 //! hide).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use k3_conformance::{RunBits, run_with, synth_and_pack, trunk_layer_sizes};
+use k3_conformance::{RunBits, pack_compressed, run_with, synth_and_pack, trunk_layer_sizes};
 use k3_run::session::MemorySettings;
 use k3_run::stream::io_policy::IoPolicy;
 
@@ -20,6 +20,15 @@ fn dir() -> PathBuf {
 
 fn check(name: &str, spec: &str, seed: u64) {
     let (model, trunk) = synth_and_pack(spec, seed, &dir());
+    check_trunk(name, &model, &trunk, 0);
+}
+
+/// Every budget case on `trunk` (raw or compressed); `extra` is added to every trunk budget
+/// (a compressed trunk's record buffers come out of it).
+fn check_trunk(name: &str, model: &Path, trunk: &Path, extra: u64) {
+    let model = model.to_path_buf();
+    let trunk = trunk.to_path_buf();
+    let compressed = extra > 0;
     let base = MemorySettings::default();
     let (want, _, _) = run_with(&model, &base, &PROMPT, N_GEN, 2);
     let sizes = trunk_layer_sizes(&trunk);
@@ -34,7 +43,7 @@ fn check(name: &str, spec: &str, seed: u64) {
     let mut cases: Vec<(String, MemorySettings)> = Vec::new();
     let streamed = |budget: u64, ring: usize, cache: Option<u64>| MemorySettings {
         trunk_dir: Some(trunk.clone()),
-        trunk_budget_bytes: Some(budget),
+        trunk_budget_bytes: Some(budget + extra),
         cache_budget_bytes: cache,
         ring_slots: ring,
         ..MemorySettings::default()
@@ -78,9 +87,11 @@ fn check(name: &str, spec: &str, seed: u64) {
     let mut ulm = streamed(2 * largest, 2, Some(50_000));
     ulm.ultra_low_memory = true;
     cases.push(("ultra-low-memory".into(), ulm));
-    let mut mm = streamed(0, 2, Some(30_000));
-    mm.io = IoPolicy::mmap();
-    cases.push(("mmap I/O policy".into(), mm));
+    if !compressed {
+        let mut mm = streamed(0, 2, Some(30_000));
+        mm.io = IoPolicy::mmap();
+        cases.push(("mmap I/O policy".into(), mm));
+    }
     let mut seen_pins = Vec::new();
     for (label, s) in &cases {
         let (got, tstats, estats) = run_with(&model, s, &PROMPT, N_GEN, 2);
@@ -142,6 +153,45 @@ fn check(name: &str, spec: &str, seed: u64) {
     assert!(
         seen_pins.iter().any(|&p| p > 0 && p < n_layers),
         "{name}: no case pinned some: {seen_pins:?}"
+    );
+}
+
+/// The same cases on a compressed trunk (`pack-trunk --compress`), packed with 12 KiB chunks
+/// so every layer spans several records and ends in a partial one: ids and first-step logit
+/// bits equal resident; the page-cache policy refuses it by name.
+#[test]
+fn identical_output_from_a_compressed_trunk_odd9() {
+    use k3_run::stream::compress::Staging;
+    let (model, _) = synth_and_pack("odd9", 3, &dir());
+    let trunk = pack_compressed(&model, 12 << 10, &dir().join("odd9-s3-trunk-c12k"));
+    let j: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(trunk.join("trunk.json")).expect("trunk.json"),
+    )
+    .expect("JSON");
+    let records: usize = j["layers"]
+        .as_array()
+        .expect("layers")
+        .iter()
+        .map(|l| l["stored"]["chunks"].as_array().expect("chunks").len())
+        .sum();
+    assert!(
+        records > 2 * j["n_layers"].as_u64().expect("n") as usize,
+        "{records} records"
+    );
+    let staging = Staging::bytes_for(
+        k3_run::stream::trunk::TrunkOptions::default().read_threads,
+        12 << 10,
+    );
+    check_trunk("odd9 compressed", &model, &trunk, staging);
+
+    let (spec, _ck) = k3_conformance::open_model(&model);
+    let err = k3_run::stream::trunk::MmapTrunk::open(&trunk, &spec)
+        .map(|_| ())
+        .expect_err("a compressed trunk cannot be mapped");
+    assert!(
+        err.to_string().contains("compressed")
+            && err.to_string().contains(&trunk.display().to_string()),
+        "{err}"
     );
 }
 

@@ -412,6 +412,12 @@ impl ReadPool {
         self.pool.spawn(tasks);
     }
 
+    /// Run scoped tasks (e.g. read-and-decode jobs of a compressed trunk) on the pread
+    /// threads, in the given order, and return when all have finished.
+    pub fn run_tasks<'a>(&self, tasks: Vec<Box<dyn FnOnce() + Send + 'a>>) {
+        self.pool.run(tasks);
+    }
+
     /// Read `offset..offset+len` of `file` into `buf` like [`DirectFile::read_into`], split
     /// into `piece`-byte reads (a multiple of the alignment) issued in parallel: one large
     /// pread runs at queue depth 1, which on NVMe/virtio is 2-3x slower than 4 MiB pieces at

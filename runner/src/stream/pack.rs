@@ -23,6 +23,7 @@ use std::time::Instant;
 use k3_models::spec::{ModelSpec, TensorDecl};
 
 use super::aligned::{IO_ALIGN, align_up};
+use super::compress::{self, Compression, Encoder, StoredChunk, StoredLayer};
 use super::{StreamError, fmt_bytes};
 use crate::checkpoint::{Checkpoint, OpenOptions};
 
@@ -33,6 +34,9 @@ const PARTIAL: &str = ".partial";
 /// Format tag and version written into `trunk.json`.
 pub const FORMAT: &str = "k3-trunk";
 pub const VERSION: u32 = 1;
+/// The version of a compressed pack (`pack-trunk --compress`): older readers refuse it by
+/// its version instead of misreading the records as raw layers.
+pub const VERSION_COMPRESSED: u32 = 2;
 
 /// `trunk.json`.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -52,6 +56,9 @@ pub struct TrunkManifest {
     pub layers: Vec<PackedLayer>,
     /// Where the global tensors live in the checkpoint (not in trunk.bin; informational).
     pub globals: Vec<GlobalTensor>,
+    /// Set when the layers are stored compressed (version 2; [`super::compress`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
 }
 
 /// One layer's range in trunk.bin.
@@ -68,6 +75,10 @@ pub struct PackedLayer {
     pub source_offset: u64,
     /// In layer order of offsets.
     pub tensors: Vec<PackedTensor>,
+    /// The layer's compressed records (compressed packs only); `size` stays the layer's raw
+    /// size, the bytes it takes in RAM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored: Option<StoredLayer>,
 }
 
 /// One tensor inside a packed layer.
@@ -110,15 +121,26 @@ pub struct PackReport {
     /// One ring slot: the largest layer rounded up to the O_DIRECT alignment. The smallest
     /// trunk budget that can stream from this pack.
     pub min_slot_bytes: u64,
+    /// Compressed packs: the bytes of the stored records (what a pass over the trunk reads).
+    pub stored_bytes: Option<u64>,
     pub seconds: f64,
 }
 
 impl PackReport {
     pub fn summary(&self) -> String {
+        let stored = match self.stored_bytes {
+            Some(b) => format!(
+                "; stored compressed as {} ({:.1}% of the layers' bytes: a pass over the trunk \
+                 reads that much and decodes it back to the same bytes)",
+                fmt_bytes(b),
+                100.0 * b as f64 / self.packed_bytes.max(1) as f64
+            ),
+            None => String::new(),
+        };
         format!(
             "packed {} layers, {} ({} with alignment) into {} in {:.1} s; largest layer {} ({}): \
              one ring slot takes {} ({} bytes, 4 KiB-aligned reads), the smallest --trunk-gb \
-             that can stream from this trunk",
+             that can stream from this trunk{stored}",
             self.n_layers,
             fmt_bytes(self.packed_bytes),
             fmt_bytes(self.file_bytes),
@@ -286,6 +308,7 @@ pub fn plan_pack(
             source_shard: file_name(&s.shard_path),
             source_offset: s.source_offset,
             tensors: s.tensors,
+            stored: None,
         });
         offset = align_up(offset + s.size, IO_ALIGN as u64);
         sources.push(s.shard_path);
@@ -314,6 +337,7 @@ pub fn plan_pack(
         file_bytes: offset,
         layers,
         globals,
+        compression: None,
     };
     Ok((m, sources))
 }
@@ -326,6 +350,26 @@ pub fn pack_trunk(
     out_dir: &Path,
     progress: bool,
 ) -> Result<PackReport, StreamError> {
+    pack_trunk_with(model_dir, spec, out_dir, progress, None)
+}
+
+/// [`pack_trunk`], with `compress = Some(chunk_bytes)`: store every layer as compressed
+/// records of `chunk_bytes`-byte chunks ([`super::compress`], whose `CHUNK_BYTES` the
+/// command uses; trunk.json version 2). `chunk_bytes` must be a positive multiple of 4096.
+pub fn pack_trunk_with(
+    model_dir: &Path,
+    spec: &ModelSpec,
+    out_dir: &Path,
+    progress: bool,
+    compress: Option<u64>,
+) -> Result<PackReport, StreamError> {
+    if let Some(cb) = compress
+        && (cb == 0 || !cb.is_multiple_of(IO_ALIGN as u64))
+    {
+        return Err(StreamError::Pack(format!(
+            "compressed chunks of {cb} bytes: must be a positive multiple of {IO_ALIGN}"
+        )));
+    }
     let t0 = Instant::now();
     let ck = Checkpoint::open_with(
         model_dir,
@@ -335,7 +379,7 @@ pub fn pack_trunk(
         },
     )
     .map_err(|e| StreamError::Pack(e.to_string()))?;
-    let (manifest, sources) = plan_pack(&ck, spec)?;
+    let (mut manifest, sources) = plan_pack(&ck, spec)?;
     drop(ck);
 
     std::fs::create_dir_all(out_dir).map_err(|e| StreamError::io("create", out_dir, e))?;
@@ -360,13 +404,21 @@ pub fn pack_trunk(
 
     let out = File::create(&bin_tmp).map_err(|e| StreamError::io("create", &bin_tmp, e))?;
     let mut shards: HashMap<PathBuf, File> = HashMap::new();
-    let mut chunk = vec![0u8; 8 << 20];
-    for (pl, src) in manifest.layers.iter().zip(&sources) {
-        bar.set_message(format!("layer {}", pl.layer));
+    for src in &sources {
         if !shards.contains_key(src) {
             let f = File::open(src).map_err(|e| StreamError::io("open", src, e))?;
             shards.insert(src.clone(), f);
         }
+    }
+    if let Some(cb) = compress {
+        write_compressed(&mut manifest, cb, &sources, &shards, &out, &bin_tmp, &bar)?;
+    }
+    let mut chunk = vec![0u8; 8 << 20];
+    for (pl, src) in manifest.layers.iter().zip(&sources) {
+        if compress.is_some() {
+            break;
+        }
+        bar.set_message(format!("layer {}", pl.layer));
         let f = &shards[src];
         let mut done = 0u64;
         while done < pl.size {
@@ -421,8 +473,100 @@ pub fn pack_trunk(
         largest_layer,
         largest_layer_bytes,
         min_slot_bytes: align_up(largest_layer_bytes, IO_ALIGN as u64),
+        stored_bytes: manifest.compression.as_ref().map(|c| c.stored_bytes),
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Write every layer of `m` as compressed chunk records into `out` (layers and records at
+/// 4096-aligned offsets) and fill in the offsets, stored forms and file length. Chunks are
+/// encoded in parallel, in batches; each chunk's record depends only on its bytes, so the
+/// file is the same at any thread count.
+fn write_compressed(
+    m: &mut TrunkManifest,
+    cb: u64,
+    sources: &[PathBuf],
+    shards: &HashMap<PathBuf, File>,
+    out: &File,
+    out_path: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<(), StreamError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 16);
+    let batch = threads * 4;
+    let mut encoders: Vec<Encoder> = (0..threads).map(|_| Encoder::new()).collect();
+    let mut records: Vec<(Vec<u8>, u64, bool)> = Vec::new();
+    let mut raw = Vec::new();
+    let mut pos = 0u64;
+    let mut stored_total = 0u64;
+    for (pl, src) in m.layers.iter_mut().zip(sources) {
+        bar.set_message(format!("layer {}", pl.layer));
+        let f = &shards[src];
+        pl.offset = pos;
+        let n = pl.size.div_ceil(cb) as usize;
+        let mut chunks = Vec::with_capacity(n);
+        let mut end = 0u64; // end of the last record, from the layer's offset
+        for first in (0..n).step_by(batch) {
+            let k = batch.min(n - first);
+            let start = first as u64 * cb;
+            let len = (pl.size - start).min(k as u64 * cb) as usize;
+            raw.resize(len, 0);
+            f.read_exact_at(&mut raw, pl.source_offset + start)
+                .map_err(|e| StreamError::io("read", src, e))?;
+            records.resize_with(k, || (Vec::new(), 0, false));
+            let per = k.div_ceil(threads);
+            let results: Vec<Result<(), StreamError>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = encoders
+                    .iter_mut()
+                    .zip(records.chunks_mut(per))
+                    .enumerate()
+                    .map(|(t, (enc, mine))| {
+                        let raw = &raw;
+                        sc.spawn(move || {
+                            for (j, rec) in mine.iter_mut().enumerate() {
+                                let a = (t * per + j) * cb as usize;
+                                let piece = &raw[a..(a + cb as usize).min(raw.len())];
+                                let (hi, z) = enc.encode(piece, &mut rec.0);
+                                rec.1 = hi;
+                                rec.2 = z;
+                            }
+                            Ok::<(), StreamError>(())
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(StreamError::Pack("a compression thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            });
+            for r in results {
+                r?;
+            }
+            for (rec, hi, z) in &records {
+                let at = align_up(end, IO_ALIGN as u64);
+                out.write_all_at(rec, pos + at)
+                    .map_err(|e| StreamError::io("write", out_path, e))?;
+                chunks.push(StoredChunk { at, hi: *hi, z: *z });
+                end = at + rec.len() as u64;
+                stored_total += rec.len() as u64;
+            }
+            bar.inc(len as u64);
+        }
+        pl.stored = Some(StoredLayer { bytes: end, chunks });
+        pos = align_up(pos + end, IO_ALIGN as u64);
+    }
+    m.file_bytes = pos;
+    m.version = VERSION_COMPRESSED;
+    m.compression = Some(Compression {
+        codec: compress::CODEC.to_string(),
+        chunk_bytes: cb,
+        stored_bytes: stored_total,
+    });
+    Ok(())
 }
 
 fn remove_if_exists(p: &Path) -> Result<(), StreamError> {
@@ -435,15 +579,31 @@ fn remove_if_exists(p: &Path) -> Result<(), StreamError> {
 
 /// The `k3-run pack-trunk MODEL_DIR OUT_DIR` command body: pack with a progress bar and print
 /// the summary line to stderr.
-pub fn run(model_dir: &Path, spec: &ModelSpec, out_dir: &Path) -> Result<PackReport, StreamError> {
+pub fn run(
+    model_dir: &Path,
+    spec: &ModelSpec,
+    out_dir: &Path,
+    compress: bool,
+) -> Result<PackReport, StreamError> {
     eprintln!(
-        "pack-trunk: {} layers of {} from {} into {}",
+        "pack-trunk: {} layers of {} from {} into {}{}",
         spec.n_layers,
         spec.name,
         model_dir.display(),
-        out_dir.display()
+        out_dir.display(),
+        if compress {
+            " (compressed: byte planes, 4-bit codes for the sign/exponent bytes)"
+        } else {
+            ""
+        }
     );
-    let r = pack_trunk(model_dir, spec, out_dir, true)?;
+    let r = pack_trunk_with(
+        model_dir,
+        spec,
+        out_dir,
+        true,
+        compress.then_some(compress::CHUNK_BYTES),
+    )?;
     eprintln!("pack-trunk: {}", r.summary());
     Ok(r)
 }
@@ -494,10 +654,34 @@ impl TrunkManifest {
     /// Check the manifest against the spec: same layers, same tensors (name, role, dtype,
     /// shape), aligned non-overlapping layer ranges inside the file.
     pub fn validate(&self, spec: &ModelSpec) -> Result<(), String> {
-        if self.format != FORMAT || self.version != VERSION {
+        let version_ok = match &self.compression {
+            None => self.version == VERSION,
+            Some(_) => self.version == VERSION_COMPRESSED,
+        };
+        if self.format != FORMAT || !version_ok {
             return Err(format!(
-                "format {:?} version {} is not {FORMAT:?} version {VERSION}",
-                self.format, self.version
+                "format {:?} version {} ({}) is not {FORMAT:?} version {VERSION} (raw) or \
+                 {VERSION_COMPRESSED} (compressed)",
+                self.format,
+                self.version,
+                if self.compression.is_some() {
+                    "compressed"
+                } else {
+                    "raw"
+                }
+            ));
+        }
+        if let Some(c) = &self.compression
+            && (c.codec != compress::CODEC
+                || c.chunk_bytes == 0
+                || !c.chunk_bytes.is_multiple_of(IO_ALIGN as u64))
+        {
+            return Err(format!(
+                "compression codec {:?} with {}-byte chunks: this build reads {:?} with \
+                 chunks a multiple of {IO_ALIGN}",
+                c.codec,
+                c.chunk_bytes,
+                compress::CODEC
             ));
         }
         // Under `--layers N` the spec binds the first N of the packed layers.
@@ -531,14 +715,15 @@ impl TrunkManifest {
                     pl.offset, self.align
                 ));
             }
+            let disk = self.check_stored(i, pl)?;
             end = pl
                 .offset
-                .checked_add(pl.size)
+                .checked_add(disk)
                 .filter(|&e| e <= self.file_bytes)
                 .ok_or_else(|| {
                     format!(
                         "layer {i} ({}..+{}) runs past the end of trunk.bin ({} bytes)",
-                        pl.offset, pl.size, self.file_bytes
+                        pl.offset, disk, self.file_bytes
                     )
                 })?;
             if i >= spec.n_layers {
@@ -591,6 +776,61 @@ impl TrunkManifest {
             }
         }
         Ok(())
+    }
+
+    /// The bytes layer `i` takes in trunk.bin (its raw size, or its records' extent), after
+    /// checking that its stored form matches the manifest's compression: one record per
+    /// chunk, at aligned, increasing, non-overlapping offsets, with plausible plane lengths.
+    fn check_stored(&self, i: usize, pl: &PackedLayer) -> Result<u64, String> {
+        let (c, s) = match (&self.compression, &pl.stored) {
+            (None, None) => return Ok(pl.size),
+            (Some(c), Some(s)) => (c, s),
+            (None, Some(_)) => {
+                return Err(format!(
+                    "layer {i} has stored records but the pack is not compressed"
+                ));
+            }
+            (Some(_), None) => return Err(format!("layer {i} has no stored records")),
+        };
+        let n = pl.size.div_ceil(c.chunk_bytes) as usize;
+        if s.chunks.len() != n {
+            return Err(format!(
+                "layer {i}: {} records for {} bytes in {}-byte chunks (expected {n})",
+                s.chunks.len(),
+                pl.size,
+                c.chunk_bytes
+            ));
+        }
+        let mut end = 0u64;
+        for (k, ch) in s.chunks.iter().enumerate() {
+            let raw = compress::chunk_raw_len(pl.size, c.chunk_bytes, k);
+            let (_, hi_len) = compress::planes(raw);
+            let hi_ok = if ch.z {
+                ch.hi > 0 && ch.hi < hi_len as u64
+            } else {
+                ch.hi == hi_len as u64
+            };
+            if !ch.at.is_multiple_of(IO_ALIGN as u64) || ch.at < end || !hi_ok {
+                return Err(format!(
+                    "layer {i}, chunk {k}: record at +{} ({} odd-plane bytes, zstd {}) is not \
+                     aligned, overlaps the previous record, or has an impossible length",
+                    ch.at, ch.hi, ch.z
+                ));
+            }
+            end = ch.at + compress::record_len(raw, ch) as u64;
+        }
+        if end != s.bytes {
+            return Err(format!(
+                "layer {i}: records end at +{end} but the manifest records {}",
+                s.bytes
+            ));
+        }
+        Ok(s.bytes)
+    }
+
+    /// Whether the layers are stored compressed.
+    pub fn is_compressed(&self) -> bool {
+        self.compression.is_some()
     }
 
     /// Packed sizes in layer order (the planner's input).

@@ -26,6 +26,7 @@ use std::time::Instant;
 use k3_models::spec::{ModelSpec, TensorDecl};
 
 use super::aligned::{AlignedBuf, EndsRing};
+use super::compress;
 use super::direct::{DirectFile, ReadPool, ReadReq};
 use super::pack::{TRUNK_BIN, TrunkManifest, layer_trunk_decls};
 use super::plan::{TrunkPlan, plan_trunk};
@@ -83,8 +84,6 @@ struct Loaded {
 
 struct ReadJob {
     layer: usize,
-    offset: u64,
-    len: usize,
     buf: AlignedBuf,
 }
 
@@ -176,7 +175,11 @@ enum Ring {
 /// Pinned prefix + ring slots over a packed trunk (see the module doc).
 pub struct StreamedTrunk {
     dir: PathBuf,
-    manifest: TrunkManifest,
+    manifest: Arc<TrunkManifest>,
+    /// Record buffers of a compressed trunk (none taken for a raw one).
+    staging: Arc<compress::Staging>,
+    /// Bytes of the budget set aside for them.
+    staging_bytes: u64,
     decls: Vec<Vec<(TensorDecl, usize)>>,
     plan: TrunkPlan,
     file: Arc<DirectFile>,
@@ -235,17 +238,40 @@ fn view<'a>(decls: &'a [(TensorDecl, usize)], bytes: &'a [u8]) -> LayerWeights<'
     }
 }
 
-/// Read packed layer `layer` (`pl`) into `buf` in [`READ_PIECE`] pieces on `pool`; returns the
-/// lead offset of its first byte in `buf`.
-fn read_layer(
+/// Read packed layer `layer` into `buf` on `pool`: a raw layer in [`READ_PIECE`] pieces, a
+/// compressed one chunk by chunk, each decoded by the thread that read it. Returns the lead
+/// offset of the layer's first byte in `buf` and the bytes read from disk.
+fn read_packed(
     pool: &ReadPool,
     file: &DirectFile,
-    pl: &super::pack::PackedLayer,
+    staging: &compress::Staging,
+    m: &TrunkManifest,
     layer: usize,
     buf: &mut [u8],
-) -> Result<usize, WeightError> {
-    pool.read_split(file, pl.offset, pl.size as usize, buf, READ_PIECE)
-        .map_err(|e| weight_err(layer, e))
+) -> Result<(usize, u64), StreamError> {
+    let pl = &m.layers[layer];
+    match (&m.compression, &pl.stored) {
+        (Some(c), Some(stored)) => {
+            let bytes = compress::read_layers(
+                pool,
+                file,
+                staging,
+                c.chunk_bytes,
+                vec![compress::LayerRead {
+                    layer,
+                    offset: pl.offset,
+                    size: pl.size,
+                    stored,
+                    dst: buf,
+                }],
+            )?;
+            Ok((0, bytes))
+        }
+        _ => {
+            let lead = pool.read_split(file, pl.offset, pl.size as usize, buf, READ_PIECE)?;
+            Ok((lead, file.span(pl.offset, pl.size as usize).len as u64))
+        }
+    }
 }
 
 fn weight_err(layer: usize, e: StreamError) -> WeightError {
@@ -284,7 +310,15 @@ impl StreamedTrunk {
             .min(manifest.n_layers)
             .min(spec.n_layers);
         let sizes = manifest.layer_sizes();
-        let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
+        // A compressed trunk's record buffers come out of the same budget.
+        let chunk_bytes = manifest.compression.as_ref().map(|c| c.chunk_bytes);
+        let staging_bytes =
+            chunk_bytes.map_or(0, |cb| compress::Staging::bytes_for(pool.depth(), cb));
+        let plan = plan_trunk(
+            &sizes[..active],
+            opts.budget_bytes.saturating_sub(staging_bytes),
+            opts.ring_slots,
+        )?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
         let pool = Arc::new(pool);
         let decls = layer_decls(spec, &manifest);
@@ -347,7 +381,9 @@ impl StreamedTrunk {
         };
         let mut t = Self {
             dir: dir.to_path_buf(),
-            manifest,
+            manifest: Arc::new(manifest),
+            staging: Arc::new(compress::Staging::new(chunk_bytes.unwrap_or(0))),
+            staging_bytes,
             decls,
             plan,
             file,
@@ -403,7 +439,42 @@ impl StreamedTrunk {
                     .map(|b| (b.full().as_ptr() as usize, b.capacity()))
                     .collect()
             });
-        {
+        if let Some(c) = self.manifest.compression.clone() {
+            // Compressed: every chunk of every pinned layer, read and decoded on the trunk's
+            // pool, the buffers populated ahead as below.
+            let mut reads = Vec::with_capacity(todo.len());
+            for (&l, b) in todo.iter().zip(bufs.iter_mut()) {
+                let pl = &self.manifest.layers[l];
+                let Some(stored) = &pl.stored else {
+                    return Err(StreamError::Invalid(format!(
+                        "packed trunk layer {l} has no stored records"
+                    )));
+                };
+                reads.push(compress::LayerRead {
+                    layer: l,
+                    offset: pl.offset,
+                    size: pl.size,
+                    stored,
+                    dst: b.full_mut(),
+                });
+            }
+            leads.iter_mut().for_each(|x| *x = 0);
+            bytes = std::thread::scope(|sc| {
+                if populate.is_some() {
+                    let _ = std::thread::Builder::new()
+                        .name("k3-pin-populate".to_string())
+                        .spawn_scoped(sc, || {
+                            super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
+                        });
+                }
+                // The trunk's own pool: its depth is what the staging budget covers.
+                self.pinned_load_depth = self.pool.depth();
+                compress::read_layers(&self.pool, &file, &self.staging, c.chunk_bytes, reads)
+            })?;
+            if self.plan.ring_slots == 0 {
+                self.staging.release(); // nothing streams: no record is read again
+            }
+        } else {
             let mut reqs = Vec::new();
             for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
                 let pl = &self.manifest.layers[l];
@@ -497,8 +568,29 @@ impl StreamedTrunk {
         self.out_of_order
     }
 
-    /// Whether reads currently bypass the page cache, and if not, why.
+    /// Whether reads currently bypass the page cache, and if not, why (and, for a compressed
+    /// trunk, how much a pass reads).
     pub fn io_line(&self) -> String {
+        let mut line = self.io_mode_line();
+        if let Some(c) = &self.manifest.compression {
+            let m = &self.manifest;
+            line.push_str(&format!(
+                "; compressed trunk ({}, {} MiB chunks): {} stored for {} of layers ({:.1}%), \
+                 each chunk decoded by the thread that read it; record buffers {} ({} threads) \
+                 taken from the trunk budget",
+                c.codec,
+                c.chunk_bytes >> 20,
+                fmt_bytes(c.stored_bytes),
+                fmt_bytes(m.packed_bytes),
+                100.0 * c.stored_bytes as f64 / m.packed_bytes.max(1) as f64,
+                fmt_bytes(self.staging_bytes),
+                self.pool.depth()
+            ));
+        }
+        line
+    }
+
+    fn io_mode_line(&self) -> String {
         if self.file.is_direct() {
             format!(
                 "reads use O_DIRECT (page cache bypassed); {} MiB pieces, {}",
@@ -581,12 +673,19 @@ impl StreamedTrunk {
             return Ok(());
         }
         *holds = None;
-        let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
-        let lead = read_layer(&self.pool, &self.file, pl, layer, slot.full_mut())?;
+        let (lead, bytes) = read_packed(
+            &self.pool,
+            &self.file,
+            &self.staging,
+            &self.manifest,
+            layer,
+            slot.full_mut(),
+        )
+        .map_err(|e| weight_err(layer, e))?;
         let secs = t0.elapsed().as_secs_f64();
         *holds = Some((layer, lead));
-        self.stats.bytes_read += self.file.span(pl.offset, pl.size as usize).len as u64;
+        self.stats.bytes_read += bytes;
         self.stats.read_seconds += secs;
         self.stats.wait_seconds += secs;
         Ok(())
@@ -604,18 +703,26 @@ impl StreamedTrunk {
         let (done_tx, done_rx) = mpsc::channel::<ReadDone>();
         let file = Arc::clone(&self.file);
         let pool = Arc::clone(&self.pool);
+        let manifest = Arc::clone(&self.manifest);
+        let staging = Arc::clone(&self.staging);
         let handle = std::thread::Builder::new()
             .name("k3-trunk-reader".to_string())
             .spawn(move || {
                 for mut job in jobs_rx {
                     let t0 = Instant::now();
-                    let result =
-                        pool.read_split(&file, job.offset, job.len, job.buf.full_mut(), READ_PIECE);
-                    let bytes = file.span(job.offset, job.len).len as u64;
+                    let read = read_packed(
+                        &pool,
+                        &file,
+                        &staging,
+                        &manifest,
+                        job.layer,
+                        job.buf.full_mut(),
+                    );
+                    let bytes = read.as_ref().map_or(0, |&(_, b)| b);
                     let done = ReadDone {
                         layer: job.layer,
                         buf: job.buf,
-                        result,
+                        result: read.map(|(lead, _)| lead),
                         seconds: t0.elapsed().as_secs_f64(),
                         bytes,
                     };
@@ -655,12 +762,7 @@ impl StreamedTrunk {
                 break;
             };
             p.cursor = (p.cursor + 1) % self.streamed.len();
-            let job = ReadJob {
-                layer,
-                offset: pl.offset,
-                len: pl.size as usize,
-                buf,
-            };
+            let job = ReadJob { layer, buf };
             if let Err(mpsc::SendError(job)) = jobs.send(job) {
                 p.slots.give_back(job.buf);
                 return Err(WeightError::Invalid {
@@ -775,10 +877,18 @@ impl StreamedTrunk {
             msg: format!("cannot allocate the pinned buffer: {e}"),
         })?;
         self.huge_pages |= buf.huge_pages();
-        let lead = read_layer(&self.pool, &self.file, pl, layer, buf.full_mut())?;
+        let (lead, bytes) = read_packed(
+            &self.pool,
+            &self.file,
+            &self.staging,
+            &self.manifest,
+            layer,
+            buf.full_mut(),
+        )
+        .map_err(|e| weight_err(layer, e))?;
         let secs = t0.elapsed().as_secs_f64();
         self.pinned_load_seconds += secs;
-        self.stats.bytes_read += span.len as u64;
+        self.stats.bytes_read += bytes;
         self.stats.read_seconds += secs;
         self.stats.wait_seconds += secs;
         self.pinned[layer] = Some(Loaded { buf, lead });
@@ -905,6 +1015,15 @@ impl MmapTrunk {
     pub fn open(dir: &Path, spec: &ModelSpec) -> Result<Self, StreamError> {
         let manifest = TrunkManifest::load(dir, spec)?;
         let path = dir.join(TRUNK_BIN);
+        if manifest.is_compressed() {
+            return Err(StreamError::Trunk {
+                path: dir.display().to_string(),
+                msg: "is compressed (pack-trunk --compress): its layers cannot be served from \
+                      a mapping; use the direct I/O policy (the default) or pack without \
+                      --compress"
+                    .to_string(),
+            });
+        }
         let f = std::fs::File::open(&path).map_err(|e| StreamError::io("open", &path, e))?;
         // SAFETY: read-only private mapping; trunk.bin is not modified while a run uses it
         // (pack-trunk writes a new file and renames it over, which keeps this inode intact).

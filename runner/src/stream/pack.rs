@@ -128,19 +128,9 @@ pub struct PackReport {
 
 impl PackReport {
     pub fn summary(&self) -> String {
-        let stored = match self.stored_bytes {
-            Some(b) => format!(
-                "; stored compressed as {} ({:.1}% of the layers' bytes: a pass over the trunk \
-                 reads that much and decodes it back to the same bytes)",
-                fmt_bytes(b),
-                100.0 * b as f64 / self.packed_bytes.max(1) as f64
-            ),
-            None => String::new(),
-        };
-        format!(
+        let head = format!(
             "packed {} layers, {} ({} with alignment) into {} in {:.1} s; largest layer {} ({}): \
-             one ring slot takes {} ({} bytes, 4 KiB-aligned reads), the smallest --trunk-gb \
-             that can stream from this trunk{stored}",
+             one ring slot takes {} ({} bytes, 4 KiB-aligned reads)",
             self.n_layers,
             fmt_bytes(self.packed_bytes),
             fmt_bytes(self.file_bytes),
@@ -150,7 +140,25 @@ impl PackReport {
             fmt_bytes(self.largest_layer_bytes),
             fmt_bytes(self.min_slot_bytes),
             self.min_slot_bytes
-        )
+        );
+        match self.stored_bytes {
+            None => format!("{head}, the smallest --trunk-gb that can stream from this trunk"),
+            Some(b) => {
+                let threads = super::trunk::TrunkOptions::default().read_threads;
+                let staging = super::compress::Staging::bytes_for(threads, compress::CHUNK_BYTES);
+                format!(
+                    "{head}; stored compressed: {} of records, {:.1}% of the layers' bytes (a \
+                     pass over the trunk reads that much and decodes it back to the same \
+                     bytes); with the record buffers of {threads} reader threads ({}) the \
+                     smallest --trunk-gb that can stream from this trunk is {} ({} bytes)",
+                    fmt_bytes(b),
+                    100.0 * b as f64 / self.packed_bytes.max(1) as f64,
+                    fmt_bytes(staging),
+                    fmt_bytes(self.min_slot_bytes + staging),
+                    self.min_slot_bytes + staging
+                )
+            }
+        }
     }
 }
 

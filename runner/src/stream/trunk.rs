@@ -318,7 +318,20 @@ impl StreamedTrunk {
             &sizes[..active],
             opts.budget_bytes.saturating_sub(staging_bytes),
             opts.ring_slots,
-        )?;
+        )
+        .map_err(|e| {
+            if staging_bytes == 0 {
+                return e.into();
+            }
+            StreamError::Config(format!(
+                "{e} - after the record buffers of this compressed trunk ({} for {} reader \
+                 threads) were taken from the --trunk-gb budget of {}; add them to the figure \
+                 above",
+                fmt_bytes(staging_bytes),
+                pool.depth(),
+                fmt_bytes(opts.budget_bytes)
+            ))
+        })?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
         let pool = Arc::new(pool);
         let decls = layer_decls(spec, &manifest);

@@ -75,9 +75,9 @@ pub struct PackCli {
     #[arg(long)]
     pub manifest: Option<PathBuf>,
     /// Store the layers compressed, losslessly (byte planes; the bf16 sign/exponent bytes as
-    /// 4-bit codes): ~25% fewer bytes read per pass over the trunk, decoded by the reader
-    /// threads back to the same bytes; record buffers (2 MiB per reader thread) come out of
-    /// --trunk-gb (docs/STREAMING.md, "Compressed trunk").
+    /// 4-bit codes): ~25% fewer bytes read per pass over the trunk, decoded in place by the
+    /// reader threads back to the same bytes, at no extra memory (docs/STREAMING.md,
+    /// "Compressed trunk").
     #[arg(long)]
     pub compress: bool,
 }
@@ -1350,20 +1350,8 @@ fn plan_packed_trunk(
         crate::stream::gb_to_bytes(gb, "--trunk-gb").map_err(|e| Failure::usage(e.to_string()))?;
     let m = crate::stream::pack::TrunkManifest::load(dir, spec)
         .map_err(|e| Failure::usage(e.to_string()))?;
-    // As `StreamedTrunk::open` does: a compressed trunk's record buffers (one per reader
-    // thread of the default I/O policy) come out of the budget.
-    let staging = m.compression.as_ref().map_or(0, |c| {
-        crate::stream::compress::Staging::bytes_for(
-            crate::stream::trunk::TrunkOptions::default().read_threads,
-            c.chunk_bytes,
-        )
-    });
-    crate::stream::plan::plan_trunk(
-        &m.layer_sizes(),
-        budget.saturating_sub(staging),
-        p.trunk_ring,
-    )
-    .map_err(|e| Failure::usage(e.to_string()))
+    crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
+        .map_err(|e| Failure::usage(e.to_string()))
 }
 
 /// Entry point used by `main`.

@@ -1,40 +1,52 @@
 //! Lossless compression of a packed trunk (`pack-trunk --compress`): fewer bytes read per
-//! token, the same bytes in RAM.
+//! pass over the trunk, the same bytes in RAM.
 //!
 //! Owns: the chunk codec and its part of the trunk format. A layer's bytes are cut into
 //! chunks of [`Compression::chunk_bytes`]; each chunk is stored as one record at a
-//! 4096-aligned offset: its even-indexed bytes (the low byte of every little-endian bf16: the
-//! lowest exponent bit and the mantissa, close to random) as they are, then its odd-indexed
-//! bytes (sign and the seven high exponent bits: a handful of values) as 4-bit codes into the
-//! chunk's table of its 15 most frequent odd bytes, code 15 meaning "listed among the
-//! exceptions" (position and byte), or as they are when that would not be smaller. Decoding
-//! reads a record into a per-thread staging buffer and writes the layer's original bytes in
-//! one pass (16 pairs per step: a table shuffle and two unpacks on x86_64 with SSSE3), then
-//! patches the exceptions. Reads and decoding run as tasks on the trunk's read pool, one per
-//! chunk.
-//! Must not: change a byte (a record that does not decode consistently - lengths, codes
-//! against exceptions - is an error naming the layer and chunk, never zeros), or hold more
-//! than one staging record per reader thread.
+//! 4096-aligned offset. A little-endian bf16 weight is a low byte (the lowest exponent bit and
+//! the mantissa: close to random) and a high byte (sign and the seven high exponent bits: a
+//! handful of values per tensor). A coded record keeps every low byte and replaces every high
+//! byte by a 4-bit code into the chunk's table of its 15 most frequent high bytes, code 15
+//! meaning "listed among the exceptions" (position and byte). Layout, for a chunk of `n` bytes
+//! (`n / 2` pairs, `B = n / 32` blocks of 16 pairs):
+//!
+//! ```text
+//! B x [16 low bytes][8 bytes of codes, low nibble first]   24 bytes per 32 raw bytes
+//! the last n - 32B raw bytes as they are                    (< 32)
+//! E x u32 LE exception pair index, then E exception bytes
+//! u32 LE E, then the 16-byte table                          (20-byte footer)
+//! ```
+//!
+//! A record that would not be shorter than its chunk is the chunk's bytes as they are.
+//! The layout decodes IN PLACE: the record is read into the start of the chunk's own place in
+//! the layer buffer, the footer, exceptions and raw tail are copied out, the tail is written,
+//! then blocks are expanded from the last to the first (block `b` reads `24b..24b+24` into
+//! registers and writes `32b..32b+32`, which only ever overwrites input already consumed), then
+//! the exceptions are patched. No staging buffer, no extra memory: a compressed trunk plans
+//! exactly like a raw one.
+//! Must not: change a byte (a record that does not decode consistently - lengths, escape codes
+//! against the exception list - is an error naming the layer and chunk, never other bytes).
 //! Follows upstream: nothing (the C engine reads raw layers; the seed article rejects LOSSY
 //! trunk quantization, which this is not). Splitting float weights into byte planes and
 //! entropy-coding the exponent bytes is the usual trick; a 16-entry code instead of Huffman
 //! trades ~8% of the size for a decode that costs almost nothing on two cores (zstd's Huffman
-//! on the same planes: docs/PERFORMANCE.md, "Eleventh session").
-
-use std::sync::Mutex;
+//! on the same bytes: docs/PERFORMANCE.md, "Eleventh session").
 
 use super::StreamError;
-use super::aligned::{AlignedBuf, HUGE_PAGE, IO_ALIGN, align_up};
+use super::aligned::{IO_ALIGN, align_up};
 use super::direct::{DirectFile, ReadPool};
 
 /// The codec name written into `trunk.json`.
-pub const CODEC: &str = "bytesplit-nibble";
+pub const CODEC: &str = "bf16-nibble-inplace";
 /// Raw bytes per chunk (the last chunk of a layer may be shorter).
 pub const CHUNK_BYTES: u64 = 2 << 20;
-/// The escape code: the odd byte is in the record's exception list.
+/// The escape code: the high byte is in the record's exception list.
 const ESCAPE: u8 = 15;
-/// Bytes of a coded odd plane's header: the exception count (u32 LE) and the 16-byte table.
-const CODED_HEADER: usize = 4 + 16;
+/// Bytes of a coded record's footer: the exception count (u32 LE) and the 16-byte table.
+const FOOTER: usize = 4 + 16;
+/// Raw bytes of one block (16 pairs) and its coded bytes.
+const BLOCK_RAW: usize = 32;
+const BLOCK_CODED: usize = 24;
 
 /// `trunk.json`'s `compression` object.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -62,20 +74,10 @@ pub struct StoredLayer {
 pub struct StoredChunk {
     /// Offset of the record from the layer's offset (a multiple of 4096).
     pub at: u64,
-    /// Stored bytes of the odd-byte plane.
-    pub hi: u64,
-    /// Whether the odd-byte plane is coded (else stored as it is).
+    /// Bytes of the record.
+    pub len: u64,
+    /// Whether the record is coded (else it is the chunk's bytes as they are).
     pub z: bool,
-}
-
-/// Lengths of a chunk's even-byte and odd-byte planes.
-pub fn planes(raw_len: usize) -> (usize, usize) {
-    (raw_len.div_ceil(2), raw_len / 2)
-}
-
-/// Bytes of a chunk's record.
-pub fn record_len(raw_len: usize, c: &StoredChunk) -> usize {
-    planes(raw_len).0 + c.hi as usize
 }
 
 /// Raw length of chunk `i` of a `size`-byte layer.
@@ -84,15 +86,25 @@ pub fn chunk_raw_len(size: u64, chunk_bytes: u64, i: usize) -> usize {
     size.saturating_sub(start).min(chunk_bytes) as usize
 }
 
-/// Bytes of a coded odd plane of `hi_len` bytes with `n_exc` exceptions.
-pub fn coded_len(hi_len: usize, n_exc: usize) -> usize {
-    CODED_HEADER + hi_len.div_ceil(2) + 5 * n_exc
+/// Bytes of a coded record of an `n`-byte chunk with `n_exc` exceptions.
+pub fn coded_len(n: usize, n_exc: usize) -> usize {
+    let blocks = n / BLOCK_RAW;
+    blocks * BLOCK_CODED + (n - blocks * BLOCK_RAW) + 5 * n_exc + FOOTER
+}
+
+/// Whether a record of `c.len` bytes is possible for an `n`-byte chunk.
+pub fn plausible(n: usize, c: &StoredChunk) -> bool {
+    if c.z {
+        (c.len as usize) < n && c.len as usize >= coded_len(n, 0)
+    } else {
+        c.len as usize == n
+    }
 }
 
 /// Encodes chunks (one per pack thread).
 #[derive(Debug, Default)]
 pub struct Encoder {
-    hi: Vec<u8>,
+    exc: Vec<(u32, u8)>,
 }
 
 impl Encoder {
@@ -100,20 +112,17 @@ impl Encoder {
         Self::default()
     }
 
-    /// Encode `raw` into `out` (cleared first): the record's bytes, the stored length of its
-    /// odd plane and whether that plane is coded. Deterministic: the same bytes give the same
-    /// record.
-    pub fn encode(&mut self, raw: &[u8], out: &mut Vec<u8>) -> (u64, bool) {
+    /// Encode `raw` into `out` (cleared first); returns whether the record is coded.
+    /// Deterministic: the same bytes give the same record.
+    pub fn encode(&mut self, raw: &[u8], out: &mut Vec<u8>) -> bool {
         out.clear();
-        self.hi.clear();
-        out.extend(raw.iter().step_by(2));
-        self.hi.extend(raw.iter().skip(1).step_by(2));
-        let hi = &self.hi;
+        let blocks = raw.len() / BLOCK_RAW;
+        let coded_pairs = blocks * 16;
         let mut counts = [0u64; 256];
-        for &b in hi {
+        for &b in raw[..2 * coded_pairs].iter().skip(1).step_by(2) {
             counts[b as usize] += 1;
         }
-        // The 15 most frequent bytes (ties: the smaller byte first) get codes 0..15.
+        // The 15 most frequent high bytes (ties: the smaller byte first) get codes 0..15.
         let mut order: Vec<u8> = (0..=255u8).filter(|&b| counts[b as usize] > 0).collect();
         order.sort_by_key(|&b| (std::cmp::Reverse(counts[b as usize]), b));
         order.truncate(ESCAPE as usize);
@@ -123,256 +132,154 @@ impl Encoder {
             table[i] = b;
             code[b as usize] = i as u8;
         }
-        let n_exc: usize = hi.iter().filter(|&&b| code[b as usize] == ESCAPE).count();
-        let coded = coded_len(hi.len(), n_exc);
-        if coded >= hi.len() {
-            out.extend_from_slice(hi);
-            return (hi.len() as u64, false);
+        self.exc.clear();
+        for k in 0..coded_pairs {
+            let h = raw[2 * k + 1];
+            if code[h as usize] == ESCAPE {
+                self.exc.push((k as u32, h));
+            }
         }
-        out.extend_from_slice(&(n_exc as u32).to_le_bytes());
+        if blocks == 0 || coded_len(raw.len(), self.exc.len()) >= raw.len() {
+            out.extend_from_slice(raw);
+            return false;
+        }
+        for blk in raw[..2 * coded_pairs].chunks_exact(BLOCK_RAW) {
+            out.extend(blk.iter().step_by(2));
+            for q in blk.chunks_exact(4) {
+                out.push(code[q[1] as usize] | code[q[3] as usize] << 4);
+            }
+        }
+        out.extend_from_slice(&raw[2 * coded_pairs..]);
+        for &(k, _) in &self.exc {
+            out.extend_from_slice(&k.to_le_bytes());
+        }
+        out.extend(self.exc.iter().map(|&(_, h)| h));
+        out.extend_from_slice(&(self.exc.len() as u32).to_le_bytes());
         out.extend_from_slice(&table);
-        for pair in hi.chunks(2) {
-            let a = code[pair[0] as usize];
-            let b = pair.get(1).map_or(0, |&x| code[x as usize]);
-            out.push(a | b << 4);
-        }
-        let escapes = || {
-            hi.iter()
-                .enumerate()
-                .filter(|&(_, &b)| code[b as usize] == ESCAPE)
-        };
-        for (k, _) in escapes() {
-            out.extend_from_slice(&(k as u32).to_le_bytes());
-        }
-        out.extend(escapes().map(|(_, &b)| b));
-        (coded as u64, true)
+        true
     }
 }
 
-/// Write the pairs of `lo` (the even bytes) and the odd bytes `table[code]` of the 4-bit
-/// codes in `nibbles` (two per byte, low nibble first) into `dst` (`2 * n` bytes for `n`
-/// codes, `lo.len() >= n`); returns how many codes were [`ESCAPE`].
-fn expand(lo: &[u8], nibbles: &[u8], table: &[u8; 16], dst: &mut [u8]) -> usize {
-    let n = dst.len() / 2;
-    let done = expand_simd(lo, nibbles, table, dst);
-    let mut escapes = done.1;
-    for k in done.0..n {
-        let c = (nibbles[k / 2] >> (4 * (k % 2))) & 0x0F;
-        escapes += usize::from(c == ESCAPE);
-        dst[2 * k] = lo[k];
-        dst[2 * k + 1] = table[c as usize];
+/// Expand blocks `0..blocks` of a coded record in place in `buf` (block `b`'s 24 input bytes
+/// at `24b`, its 32 output bytes at `32b`), from the last block to the first; returns how many
+/// codes were [`ESCAPE`].
+fn expand_in_place(buf: &mut [u8], blocks: usize, table: &[u8; 16]) -> usize {
+    debug_assert!(buf.len() >= blocks * BLOCK_RAW);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("ssse3") {
+        // SAFETY: SSSE3 was detected just above.
+        return unsafe { expand_ssse3(buf, blocks, table) };
+    }
+    expand_scalar(buf, blocks, table)
+}
+
+/// [`expand_in_place`] one byte at a time (targets without SSSE3 or NEON paths).
+fn expand_scalar(buf: &mut [u8], blocks: usize, table: &[u8; 16]) -> usize {
+    let mut escapes = 0;
+    for b in (0..blocks).rev() {
+        let mut inp = [0u8; BLOCK_CODED];
+        inp.copy_from_slice(&buf[BLOCK_CODED * b..BLOCK_CODED * (b + 1)]);
+        let out = &mut buf[BLOCK_RAW * b..BLOCK_RAW * (b + 1)];
+        for i in 0..16 {
+            let c = (inp[16 + i / 2] >> (4 * (i % 2))) & 0x0F;
+            escapes += usize::from(c == ESCAPE);
+            out[2 * i] = inp[i];
+            out[2 * i + 1] = table[c as usize];
+        }
     }
     escapes
 }
 
-/// [`expand`] for whole blocks of 16 codes; returns (codes done, escapes among them).
-#[cfg(target_arch = "x86_64")]
-fn expand_simd(lo: &[u8], nibbles: &[u8], table: &[u8; 16], dst: &mut [u8]) -> (usize, usize) {
-    if !std::arch::is_x86_feature_detected!("ssse3") {
-        return (0, 0);
-    }
-    // SAFETY: SSSE3 was detected just above.
-    unsafe { expand_ssse3(lo, nibbles, table, dst) }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "ssse3")]
-fn expand_ssse3(lo: &[u8], nibbles: &[u8], table: &[u8; 16], dst: &mut [u8]) -> (usize, usize) {
+fn expand_ssse3(buf: &mut [u8], blocks: usize, table: &[u8; 16]) -> usize {
     use std::arch::x86_64::{
         __m128i, _mm_and_si128, _mm_cmpeq_epi8, _mm_loadl_epi64, _mm_loadu_si128,
-        _mm_movemask_epi8, _mm_set1_epi8, _mm_sfence, _mm_shuffle_epi8, _mm_srli_epi16,
-        _mm_storeu_si128, _mm_stream_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
+        _mm_movemask_epi8, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16, _mm_storeu_si128,
+        _mm_unpackhi_epi8, _mm_unpacklo_epi8,
     };
-    let n = dst.len() / 2;
-    let blocks = n.min(lo.len()).min(nibbles.len() * 2) / 16;
-    let stream = (dst.as_ptr() as usize).is_multiple_of(16);
+    assert!(buf.len() >= blocks * BLOCK_RAW);
+    let p = buf.as_mut_ptr();
     let mut escapes = 0usize;
-    // SAFETY (whole block): SSSE3 is enabled for this function; block `b` reads
-    // lo[16b..16b+16], nibbles[8b..8b+8] and the 16-byte table, and writes dst[32b..32b+32],
-    // all in bounds by `blocks`; streaming stores only when dst is 16-byte aligned.
+    // SAFETY (whole block): SSSE3 is enabled for this function; block `b` loads
+    // buf[24b..24b+24] and stores buf[32b..32b+32], in bounds by the assert above. Both loads
+    // happen before the stores, and blocks go from the last to the first, so a store only
+    // overwrites input of this block or of later blocks, already loaded.
     unsafe {
         let lut = _mm_loadu_si128(table.as_ptr().cast::<__m128i>());
         let low4 = _mm_set1_epi8(0x0F);
         let esc = _mm_set1_epi8(ESCAPE as i8);
-        for b in 0..blocks {
-            let nib = _mm_loadl_epi64(nibbles.as_ptr().add(8 * b).cast::<__m128i>());
+        for b in (0..blocks).rev() {
+            let l = _mm_loadu_si128(p.add(BLOCK_CODED * b).cast::<__m128i>());
+            let nib = _mm_loadl_epi64(p.add(BLOCK_CODED * b + 16).cast::<__m128i>());
             let codes = _mm_unpacklo_epi8(
                 _mm_and_si128(nib, low4),
                 _mm_and_si128(_mm_srli_epi16(nib, 4), low4),
             );
             escapes += _mm_movemask_epi8(_mm_cmpeq_epi8(codes, esc)).count_ones() as usize;
             let h = _mm_shuffle_epi8(lut, codes);
-            let l = _mm_loadu_si128(lo.as_ptr().add(16 * b).cast::<__m128i>());
-            let d = dst.as_mut_ptr().add(32 * b).cast::<__m128i>();
-            if stream {
-                _mm_stream_si128(d, _mm_unpacklo_epi8(l, h));
-                _mm_stream_si128(d.add(1), _mm_unpackhi_epi8(l, h));
-            } else {
-                _mm_storeu_si128(d, _mm_unpacklo_epi8(l, h));
-                _mm_storeu_si128(d.add(1), _mm_unpackhi_epi8(l, h));
-            }
+            let d = p.add(BLOCK_RAW * b).cast::<__m128i>();
+            _mm_storeu_si128(d, _mm_unpacklo_epi8(l, h));
+            _mm_storeu_si128(d.add(1), _mm_unpackhi_epi8(l, h));
         }
-        // Orders the streaming stores before the exception patches and the hand-over.
-        _mm_sfence();
     }
-    (blocks * 16, escapes)
+    escapes
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn expand_simd(_lo: &[u8], _nibbles: &[u8], _table: &[u8; 16], _dst: &mut [u8]) -> (usize, usize) {
-    (0, 0)
-}
-
-/// Decode one record (`rec`, exactly [`record_len`] bytes) of a `dst.len()`-byte chunk into
-/// `dst`. Errors say what did not match.
-pub fn decode(rec: &[u8], c: &StoredChunk, dst: &mut [u8]) -> Result<(), String> {
-    let (lo_len, hi_len) = planes(dst.len());
-    if rec.len() != lo_len + c.hi as usize {
+/// Decode, in place, a chunk of `n` bytes whose record (`c.len` bytes) sits at the start of
+/// `buf` (`buf.len() >= n`); afterwards `buf[..n]` holds the chunk. Errors say what did not
+/// match.
+pub fn decode_in_place(buf: &mut [u8], n: usize, c: &StoredChunk) -> Result<(), String> {
+    let len = c.len as usize;
+    if !plausible(n, c) || buf.len() < n {
         return Err(format!(
-            "record of {} bytes, expected {}",
-            rec.len(),
-            lo_len + c.hi as usize
+            "a {len}-byte record (coded: {}) cannot hold a {n}-byte chunk",
+            c.z
         ));
     }
-    let (lo, stored_hi) = rec.split_at(lo_len);
     if !c.z {
-        if stored_hi.len() != hi_len {
-            return Err(format!(
-                "stored odd-byte plane of {} bytes, expected {hi_len}",
-                stored_hi.len()
-            ));
-        }
-        for (k, d) in dst.iter_mut().enumerate() {
-            *d = if k % 2 == 0 {
-                lo[k / 2]
-            } else {
-                stored_hi[k / 2]
-            };
-        }
-        return Ok(());
+        return Ok(()); // the chunk's bytes as they are
     }
-    if stored_hi.len() < CODED_HEADER {
-        return Err(format!("coded odd-byte plane of {} bytes", stored_hi.len()));
-    }
-    let (head, rest) = stored_hi.split_at(CODED_HEADER);
-    let n_exc = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    let blocks = n / BLOCK_RAW;
+    let tail_len = n - blocks * BLOCK_RAW;
+    let foot = &buf[len - FOOTER..len];
+    let n_exc = u32::from_le_bytes([foot[0], foot[1], foot[2], foot[3]]) as usize;
     let mut table = [0u8; 16];
-    table.copy_from_slice(&head[4..]);
-    if stored_hi.len() != coded_len(hi_len, n_exc) {
+    table.copy_from_slice(&foot[4..]);
+    if coded_len(n, n_exc) != len {
         return Err(format!(
-            "coded odd-byte plane of {} bytes, expected {} for {n_exc} exceptions",
-            stored_hi.len(),
-            coded_len(hi_len, n_exc)
+            "record of {len} bytes, but {n_exc} exceptions make it {}",
+            coded_len(n, n_exc)
         ));
     }
-    let (nibbles, exc) = rest.split_at(hi_len.div_ceil(2));
-    let (positions, values) = exc.split_at(4 * n_exc);
-    let escapes = expand(lo, nibbles, &table, &mut dst[..2 * hi_len]);
-    if lo_len > hi_len {
-        dst[2 * hi_len] = lo[hi_len];
-    }
+    let tail_at = blocks * BLOCK_CODED;
+    let mut tail = [0u8; BLOCK_RAW];
+    tail[..tail_len].copy_from_slice(&buf[tail_at..tail_at + tail_len]);
+    let exc_at = tail_at + tail_len;
+    let exc: Vec<(usize, u8)> = buf[exc_at..exc_at + 4 * n_exc]
+        .chunks_exact(4)
+        .zip(&buf[exc_at + 4 * n_exc..exc_at + 5 * n_exc])
+        .map(|(p, &v)| (u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize, v))
+        .collect();
+    buf[blocks * BLOCK_RAW..n].copy_from_slice(&tail[..tail_len]);
+    let escapes = expand_in_place(buf, blocks, &table);
     if escapes != n_exc {
         return Err(format!(
             "{escapes} escape codes but {n_exc} exceptions listed"
         ));
     }
     let mut prev: Option<usize> = None;
-    for (p, &v) in positions.chunks_exact(4).zip(values) {
-        let k = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
-        let code = nibbles.get(k / 2).map(|n| (n >> (4 * (k % 2))) & 0x0F);
-        if k >= hi_len || prev.is_some_and(|q| q >= k) || code != Some(ESCAPE) {
+    for (k, v) in exc {
+        // The escape code put table[15] there; anything else means the list is wrong.
+        if k >= blocks * 16 || prev.is_some_and(|q| q >= k) || buf[2 * k + 1] != table[15] {
             return Err(format!(
-                "exception at odd-plane byte {k} is out of order, out of range or not escaped"
+                "exception at pair {k} is out of order, out of range or not escaped"
             ));
         }
-        dst[2 * k + 1] = v;
+        buf[2 * k + 1] = v;
         prev = Some(k);
     }
     Ok(())
-}
-
-/// Staging buffers for records: a task takes one for its read and decode and gives it back,
-/// so at most one per reader thread exists ([`Staging::bytes_for`] is what the trunk takes
-/// from its budget for them).
-#[derive(Debug)]
-pub struct Staging {
-    free: Mutex<Vec<AlignedBuf>>,
-    len: usize,
-}
-
-impl Staging {
-    /// Buffers for records of `chunk_bytes`-byte chunks (a record is never longer than its
-    /// chunk): at least one 2 MiB page each, since O_DIRECT reads into 4 KiB pages ran at half
-    /// the rate on the development VM (docs/PERFORMANCE.md, `AlignedBuf::carve`).
-    pub fn new(chunk_bytes: u64) -> Self {
-        Self {
-            free: Mutex::new(Vec::new()),
-            len: Self::buffer_len(chunk_bytes),
-        }
-    }
-
-    fn buffer_len(chunk_bytes: u64) -> usize {
-        (align_up(chunk_bytes, IO_ALIGN as u64) as usize).max(HUGE_PAGE)
-    }
-
-    /// The most staging memory `depth` reader threads can hold.
-    pub fn bytes_for(depth: usize, chunk_bytes: u64) -> u64 {
-        (depth * Self::buffer_len(chunk_bytes)) as u64
-    }
-
-    fn take(&self) -> Result<AlignedBuf, StreamError> {
-        if let Some(b) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(b);
-        }
-        AlignedBuf::new(self.len).map_err(|e| {
-            StreamError::Invalid(format!("cannot allocate a trunk staging buffer: {e}"))
-        })
-    }
-
-    fn give_back(&self, b: AlignedBuf) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(b);
-    }
-
-    /// Free the idle buffers (e.g. once a fully pinned trunk is loaded).
-    pub fn release(&self) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-}
-
-/// Read chunk `i` of the layer at `offset` and decode it into `dst`.
-fn read_chunk(
-    file: &DirectFile,
-    staging: &Staging,
-    offset: u64,
-    layer: usize,
-    i: usize,
-    c: &StoredChunk,
-    dst: &mut [u8],
-) -> Result<(), StreamError> {
-    let rec_len = record_len(dst.len(), c);
-    let at = offset + c.at;
-    let span = file.span(at, rec_len);
-    let mut buf = staging.take()?;
-    let result = if buf.capacity() < span.len {
-        Err(StreamError::Invalid(format!(
-            "layer {layer}, chunk {i}: a {}-byte record does not fit the {}-byte staging buffer",
-            span.len,
-            buf.capacity()
-        )))
-    } else {
-        file.read_into(at, rec_len, buf.full_mut())
-            .and_then(|lead| {
-                decode(&buf.full()[lead..lead + rec_len], c, dst).map_err(|msg| StreamError::Trunk {
-                path: file.path().display().to_string(),
-                msg: format!(
-                    "layer {layer}, chunk {i} (record at byte {at}, {rec_len} bytes): {msg}; the \
-                     file is damaged: pack again"
-                ),
-            })
-            })
-    };
-    staging.give_back(buf);
-    result
 }
 
 /// One layer to read and decode: its offset, stored form, raw size and destination.
@@ -381,16 +288,44 @@ pub struct LayerRead<'a> {
     pub offset: u64,
     pub size: u64,
     pub stored: &'a StoredLayer,
-    /// At least `size` bytes; the layer lands at index 0.
+    /// At least `size` rounded up to 4096 bytes, aligned for O_DIRECT; the layer lands at 0.
     pub dst: &'a mut [u8],
 }
 
+/// Read chunk `i` of the layer at `offset` into the start of `place` (the chunk's own bytes
+/// in the layer buffer, plus up to the next 4096 boundary) and decode it there.
+fn read_chunk(
+    file: &DirectFile,
+    offset: u64,
+    layer: usize,
+    i: usize,
+    n: usize,
+    c: &StoredChunk,
+    place: &mut [u8],
+) -> Result<(), StreamError> {
+    let at = offset + c.at;
+    let len = c.len as usize;
+    let lead = file.read_into(at, len, place)?;
+    if lead != 0 {
+        return Err(StreamError::Invalid(format!(
+            "layer {layer}, chunk {i}: record at byte {at} is not aligned"
+        )));
+    }
+    decode_in_place(place, n, c).map_err(|msg| StreamError::Trunk {
+        path: file.path().display().to_string(),
+        msg: format!(
+            "layer {layer}, chunk {i} (record at byte {at}, {len} bytes): {msg}; the file is \
+             damaged: pack again"
+        ),
+    })
+}
+
 /// Read and decode every chunk of `layers` on `pool` (one task per chunk, issued in file
-/// order); returns the disk bytes read (aligned record spans).
+/// order, each into its own place in its layer's buffer); returns the disk bytes read
+/// (aligned record spans).
 pub fn read_layers(
     pool: &ReadPool,
     file: &DirectFile,
-    staging: &Staging,
     chunk_bytes: u64,
     layers: Vec<LayerRead<'_>>,
 ) -> Result<u64, StreamError> {
@@ -398,8 +333,12 @@ pub fn read_layers(
     let mut bytes = 0u64;
     let mut jobs = Vec::new();
     for lr in layers {
-        let n = lr.size.div_ceil(chunk_bytes) as usize;
-        if lr.stored.chunks.len() != n || (lr.dst.len() as u64) < lr.size {
+        let n_chunks = lr.size.div_ceil(chunk_bytes) as usize;
+        let room = align_up(lr.size, IO_ALIGN as u64) as usize;
+        if lr.stored.chunks.len() != n_chunks
+            || lr.dst.len() < room
+            || !chunk_bytes.is_multiple_of(IO_ALIGN as u64)
+        {
             return Err(StreamError::Invalid(format!(
                 "layer {}: {} stored chunks for {} bytes in {}-byte chunks, destination {} bytes",
                 lr.layer,
@@ -409,24 +348,24 @@ pub fn read_layers(
                 lr.dst.len()
             )));
         }
-        let dst = &mut lr.dst[..lr.size as usize];
-        for ((i, c), d) in lr
+        for ((i, c), place) in lr
             .stored
             .chunks
             .iter()
             .enumerate()
-            .zip(dst.chunks_mut(chunk_bytes as usize))
+            .zip(lr.dst[..room].chunks_mut(chunk_bytes as usize))
         {
-            bytes += file.span(lr.offset + c.at, record_len(d.len(), c)).len as u64;
-            jobs.push((lr.layer, lr.offset, i, c, d));
+            let n = chunk_raw_len(lr.size, chunk_bytes, i);
+            bytes += file.span(lr.offset + c.at, c.len as usize).len as u64;
+            jobs.push((lr.layer, lr.offset, i, n, c, place));
         }
     }
     outs.resize_with(jobs.len(), || None);
     {
         let mut tasks: Vec<Box<dyn FnOnce() + Send + '_>> = Vec::with_capacity(jobs.len());
-        for ((layer, offset, i, c, d), out) in jobs.into_iter().zip(outs.iter_mut()) {
+        for ((layer, offset, i, n, c, place), out) in jobs.into_iter().zip(outs.iter_mut()) {
             tasks.push(Box::new(move || {
-                *out = Some(read_chunk(file, staging, offset, layer, i, c, d));
+                *out = Some(read_chunk(file, offset, layer, i, n, c, place));
             }));
         }
         if tasks.len() == 1 {
@@ -448,148 +387,134 @@ pub fn read_layers(
     Ok(bytes)
 }
 
-/// Disk bytes one read of a stored layer takes (aligned record spans).
-pub fn disk_bytes(
-    file: &DirectFile,
-    offset: u64,
-    size: u64,
-    chunk_bytes: u64,
-    s: &StoredLayer,
-) -> u64 {
-    s.chunks
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let raw = chunk_raw_len(size, chunk_bytes, i);
-            file.span(offset + c.at, record_len(raw, c)).len as u64
-        })
-        .sum()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn round_trip(raw: &[u8]) -> (u64, bool) {
+    /// Encode, check the record, decode in place (aligned and not); returns whether coded.
+    fn round_trip(raw: &[u8]) -> bool {
         let mut enc = Encoder::new();
         let mut rec = Vec::new();
-        let (hi, z) = enc.encode(raw, &mut rec);
-        let c = StoredChunk { at: 0, hi, z };
-        assert_eq!(rec.len(), record_len(raw.len(), &c));
-        let mut dst = vec![0xAAu8; raw.len()];
-        decode(&rec, &c, &mut dst).unwrap();
-        assert_eq!(dst, raw);
-        // Into an unaligned destination too (no streaming stores).
-        let mut odd = vec![0x55u8; raw.len() + 1];
-        decode(&rec, &c, &mut odd[1..]).unwrap();
-        assert_eq!(&odd[1..], raw);
-        // Deterministic.
+        let z = enc.encode(raw, &mut rec);
+        let c = StoredChunk {
+            at: 0,
+            len: rec.len() as u64,
+            z,
+        };
+        assert!(plausible(raw.len(), &c), "{} of {}", rec.len(), raw.len());
+        for shift in [0usize, 1, 3] {
+            let mut buf = vec![0xA5u8; raw.len() + shift + 7];
+            buf[shift..shift + rec.len()].copy_from_slice(&rec);
+            decode_in_place(&mut buf[shift..], raw.len(), &c).unwrap();
+            assert_eq!(&buf[shift..shift + raw.len()], raw, "length {}", raw.len());
+        }
         let mut rec2 = Vec::new();
-        enc.encode(raw, &mut rec2);
-        assert_eq!(rec, rec2);
-        (hi, z)
+        assert_eq!(enc.encode(raw, &mut rec2), z);
+        assert_eq!(rec, rec2, "deterministic");
+        z
     }
 
-    #[test]
-    fn bf16_like_bytes_compress_and_round_trip() {
-        // Sign and exponent bytes from a narrow range, mantissa bytes spread: compressible.
-        let mut x = 12345u32;
-        let raw: Vec<u8> = (0..40_001)
+    fn bf16_like(n: usize, distinct: usize, seed: u32) -> Vec<u8> {
+        let mut x = seed;
+        (0..n)
             .map(|i| {
                 x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
                 if i % 2 == 1 {
-                    0x3C + ((x >> 16) % 3) as u8 + if x & 1 << 30 != 0 { 0x80 } else { 0 }
+                    0x38 + ((x >> 16) as usize % distinct) as u8
                 } else {
                     (x >> 8) as u8
                 }
             })
-            .collect();
-        let (hi, z) = round_trip(&raw);
-        assert!(z, "a six-value plane must be coded");
-        assert_eq!(hi as usize, coded_len(raw.len() / 2, 0));
+            .collect()
     }
 
     #[test]
-    fn random_bytes_are_stored_raw_and_odd_lengths_work() {
-        let mut x = 7u64;
-        let raw: Vec<u8> = (0..9_999)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
-        let (hi, z) = round_trip(&raw);
-        assert!(!z);
-        assert_eq!(hi, (raw.len() / 2) as u64);
-        round_trip(&[]);
-        round_trip(&[5]);
-        round_trip(&[5, 6, 7]);
+    fn bf16_like_bytes_are_coded_and_round_trip() {
+        let raw = bf16_like(40_000, 6, 1);
+        assert!(round_trip(&raw), "a six-value high plane must be coded");
+        let mut rec = Vec::new();
+        Encoder::new().encode(&raw, &mut rec);
+        assert_eq!(rec.len(), coded_len(raw.len(), 0));
+        assert_eq!(coded_len(raw.len(), 0), raw.len() / 4 * 3 + 20);
     }
 
     #[test]
     fn every_length_and_table_size_round_trips() {
-        // Lengths around the 16-code SIMD blocks, odd and even; 1..=40 distinct odd bytes
-        // (below, at and above the 15-entry table).
-        for n in 0..140usize {
+        // Lengths around the 32-byte blocks, odd and even; 1..=40 distinct high bytes (below,
+        // at and above the 15-entry table).
+        for n in 0..200usize {
             for distinct in [1usize, 2, 15, 16, 40] {
-                let raw: Vec<u8> = (0..n)
-                    .map(|i| {
-                        if i % 2 == 1 {
-                            0x38 + ((i * 7 / 2) % distinct) as u8
-                        } else {
-                            (i * 37 + 11) as u8
-                        }
-                    })
-                    .collect();
-                round_trip(&raw);
+                round_trip(&bf16_like(n, distinct, n as u32));
             }
+        }
+        // Rare values are exceptions; a plane without a favourite is stored as it is.
+        let mut raw = bf16_like(4096, 15, 9);
+        for k in [3usize, 100, 1000, 2047] {
+            raw[2 * k + 1] = 0xEE;
+        }
+        assert!(round_trip(&raw));
+        assert!(!round_trip(&bf16_like(4096, 200, 5)));
+    }
+
+    #[test]
+    fn the_scalar_expansion_matches_the_dispatched_one() {
+        for (n, distinct) in [(32 * 5, 15usize), (4096, 17), (32 * 77 + 9, 40)] {
+            let raw = bf16_like(n, distinct, 77);
+            let mut rec = Vec::new();
+            assert!(Encoder::new().encode(&raw, &mut rec) || distinct > 16);
+            let blocks = n / BLOCK_RAW;
+            let foot = rec.len() - FOOTER;
+            let table: [u8; 16] = rec[foot + 4..].try_into().unwrap();
+            let mut a = rec.clone();
+            a.resize(n.max(rec.len()), 0);
+            let mut b = a.clone();
+            let ea = expand_in_place(&mut a, blocks, &table);
+            let eb = expand_scalar(&mut b, blocks, &table);
+            assert_eq!(ea, eb);
+            assert_eq!(a[..blocks * BLOCK_RAW], b[..blocks * BLOCK_RAW]);
         }
     }
 
     #[test]
-    fn a_damaged_record_is_an_error_not_zeros() {
-        // 20 distinct odd bytes: the 5 rare ones are exceptions.
-        let raw: Vec<u8> = (0..20_000usize)
-            .map(|i| {
-                if i % 2 == 1 && i / 2 % 100 < 95 {
-                    0x30 + (i / 2 % 15) as u8
-                } else if i % 2 == 1 {
-                    0x50 + (i / 2 % 5) as u8
-                } else {
-                    i as u8
-                }
-            })
-            .collect();
-        let mut enc = Encoder::new();
+    fn a_damaged_record_is_an_error_not_other_bytes() {
+        let mut raw = bf16_like(20_000, 15, 3);
+        for k in (7..9_000).step_by(997) {
+            raw[2 * k + 1] = 0xF0; // exceptions
+        }
         let mut rec = Vec::new();
-        let (hi, z) = enc.encode(&raw, &mut rec);
-        assert!(z);
-        let c = StoredChunk { at: 0, hi, z };
-        let mut dst = vec![0u8; raw.len()];
-        decode(&rec, &c, &mut dst).unwrap();
-        assert_eq!(dst, raw);
-        let lo_len = planes(raw.len()).0;
-        let nib = lo_len + CODED_HEADER;
+        assert!(Encoder::new().encode(&raw, &mut rec));
+        let c = StoredChunk {
+            at: 0,
+            len: rec.len() as u64,
+            z: true,
+        };
+        let decode = |rec: &[u8], c: &StoredChunk, n: usize| {
+            let mut buf = vec![0u8; n.max(rec.len())];
+            buf[..rec.len()].copy_from_slice(rec);
+            decode_in_place(&mut buf, n, c).map(|()| buf[..n].to_vec())
+        };
+        assert_eq!(decode(&rec, &c, raw.len()).unwrap(), raw);
         // A common byte's code turned into the escape: the escape count no longer matches.
-        assert_ne!(rec[nib] & 0x0F, ESCAPE);
+        assert_ne!(rec[16] & 0x0F, ESCAPE);
         let mut bad = rec.clone();
-        bad[nib] |= ESCAPE;
-        assert!(decode(&bad, &c, &mut dst).is_err());
-        // An exception position moved out of order.
-        let exc = nib + planes(raw.len()).1.div_ceil(2);
+        bad[16] |= ESCAPE;
+        assert!(decode(&bad, &c, raw.len()).is_err());
+        // Exception positions out of order.
+        let exc_at = rec.len() - FOOTER - 5 * 10;
         let mut bad = rec.clone();
-        bad[exc + 4..exc + 8].copy_from_slice(&0u32.to_le_bytes());
-        assert!(decode(&bad, &c, &mut dst).is_err());
+        bad[exc_at + 4..exc_at + 8].copy_from_slice(&0u32.to_le_bytes());
+        assert!(decode(&bad, &c, raw.len()).is_err());
         // A wrong exception count.
         let mut bad = rec.clone();
-        bad[lo_len] ^= 1;
-        assert!(decode(&bad, &c, &mut dst).is_err());
-        // A truncated record.
-        assert!(decode(&rec[..rec.len() - 1], &c, &mut dst).is_err());
-        // A chunk of another length.
-        let mut short = vec![0u8; raw.len() - 2];
-        assert!(decode(&rec, &c, &mut short).is_err());
+        let f = rec.len() - FOOTER;
+        bad[f] ^= 1;
+        assert!(decode(&bad, &c, raw.len()).is_err());
+        // A record length or chunk length that does not fit.
+        let short = StoredChunk {
+            len: c.len - 1,
+            ..c.clone()
+        };
+        assert!(decode(&rec[..rec.len() - 1], &short, raw.len()).is_err());
+        assert!(decode(&rec, &c, raw.len() - 2).is_err());
     }
 }

@@ -143,21 +143,13 @@ impl PackReport {
         );
         match self.stored_bytes {
             None => format!("{head}, the smallest --trunk-gb that can stream from this trunk"),
-            Some(b) => {
-                let threads = super::trunk::TrunkOptions::default().read_threads;
-                let staging = super::compress::Staging::bytes_for(threads, compress::CHUNK_BYTES);
-                format!(
-                    "{head}; stored compressed: {} of records, {:.1}% of the layers' bytes (a \
-                     pass over the trunk reads that much and decodes it back to the same \
-                     bytes); with the record buffers of {threads} reader threads ({}) the \
-                     smallest --trunk-gb that can stream from this trunk is {} ({} bytes)",
-                    fmt_bytes(b),
-                    100.0 * b as f64 / self.packed_bytes.max(1) as f64,
-                    fmt_bytes(staging),
-                    fmt_bytes(self.min_slot_bytes + staging),
-                    self.min_slot_bytes + staging
-                )
-            }
+            Some(b) => format!(
+                "{head}, the smallest --trunk-gb that can stream from this trunk; stored \
+                 compressed: {} of records, {:.1}% of the layers' bytes (a pass over the trunk \
+                 reads that much and decodes it in place back to the same bytes)",
+                fmt_bytes(b),
+                100.0 * b as f64 / self.packed_bytes.max(1) as f64
+            ),
         }
     }
 }
@@ -504,7 +496,7 @@ fn write_compressed(
         .clamp(1, 16);
     let batch = threads * 4;
     let mut encoders: Vec<Encoder> = (0..threads).map(|_| Encoder::new()).collect();
-    let mut records: Vec<(Vec<u8>, u64, bool)> = Vec::new();
+    let mut records: Vec<(Vec<u8>, bool)> = Vec::new();
     let mut raw = Vec::new();
     let mut pos = 0u64;
     let mut stored_total = 0u64;
@@ -522,7 +514,7 @@ fn write_compressed(
             raw.resize(len, 0);
             f.read_exact_at(&mut raw, pl.source_offset + start)
                 .map_err(|e| StreamError::io("read", src, e))?;
-            records.resize_with(k, || (Vec::new(), 0, false));
+            records.resize_with(k, || (Vec::new(), false));
             let per = k.div_ceil(threads);
             let results: Vec<Result<(), StreamError>> = std::thread::scope(|sc| {
                 let hs: Vec<_> = encoders
@@ -535,9 +527,7 @@ fn write_compressed(
                             for (j, rec) in mine.iter_mut().enumerate() {
                                 let a = (t * per + j) * cb as usize;
                                 let piece = &raw[a..(a + cb as usize).min(raw.len())];
-                                let (hi, z) = enc.encode(piece, &mut rec.0);
-                                rec.1 = hi;
-                                rec.2 = z;
+                                rec.1 = enc.encode(piece, &mut rec.0);
                             }
                             Ok::<(), StreamError>(())
                         })
@@ -554,11 +544,15 @@ fn write_compressed(
             for r in results {
                 r?;
             }
-            for (rec, hi, z) in &records {
+            for (rec, z) in &records {
                 let at = align_up(end, IO_ALIGN as u64);
                 out.write_all_at(rec, pos + at)
                     .map_err(|e| StreamError::io("write", out_path, e))?;
-                chunks.push(StoredChunk { at, hi: *hi, z: *z });
+                chunks.push(StoredChunk {
+                    at,
+                    len: rec.len() as u64,
+                    z: *z,
+                });
                 end = at + rec.len() as u64;
                 stored_total += rec.len() as u64;
             }
@@ -812,20 +806,17 @@ impl TrunkManifest {
         let mut end = 0u64;
         for (k, ch) in s.chunks.iter().enumerate() {
             let raw = compress::chunk_raw_len(pl.size, c.chunk_bytes, k);
-            let (_, hi_len) = compress::planes(raw);
-            let hi_ok = if ch.z {
-                ch.hi > 0 && ch.hi < hi_len as u64
-            } else {
-                ch.hi == hi_len as u64
-            };
-            if !ch.at.is_multiple_of(IO_ALIGN as u64) || ch.at < end || !hi_ok {
+            if !ch.at.is_multiple_of(IO_ALIGN as u64)
+                || ch.at < end
+                || !compress::plausible(raw, ch)
+            {
                 return Err(format!(
-                    "layer {i}, chunk {k}: record at +{} ({} odd-plane bytes, zstd {}) is not \
+                    "layer {i}, chunk {k}: record at +{} ({} bytes, coded {}) is not \
                      aligned, overlaps the previous record, or has an impossible length",
-                    ch.at, ch.hi, ch.z
+                    ch.at, ch.len, ch.z
                 ));
             }
-            end = ch.at + compress::record_len(raw, ch) as u64;
+            end = ch.at + ch.len;
         }
         if end != s.bytes {
             return Err(format!(

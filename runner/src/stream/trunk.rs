@@ -176,10 +176,6 @@ enum Ring {
 pub struct StreamedTrunk {
     dir: PathBuf,
     manifest: Arc<TrunkManifest>,
-    /// Record buffers of a compressed trunk (none taken for a raw one).
-    staging: Arc<compress::Staging>,
-    /// Bytes of the budget set aside for them.
-    staging_bytes: u64,
     decls: Vec<Vec<(TensorDecl, usize)>>,
     plan: TrunkPlan,
     file: Arc<DirectFile>,
@@ -244,7 +240,6 @@ fn view<'a>(decls: &'a [(TensorDecl, usize)], bytes: &'a [u8]) -> LayerWeights<'
 fn read_packed(
     pool: &ReadPool,
     file: &DirectFile,
-    staging: &compress::Staging,
     m: &TrunkManifest,
     layer: usize,
     buf: &mut [u8],
@@ -255,7 +250,6 @@ fn read_packed(
             let bytes = compress::read_layers(
                 pool,
                 file,
-                staging,
                 c.chunk_bytes,
                 vec![compress::LayerRead {
                     layer,
@@ -310,28 +304,7 @@ impl StreamedTrunk {
             .min(manifest.n_layers)
             .min(spec.n_layers);
         let sizes = manifest.layer_sizes();
-        // A compressed trunk's record buffers come out of the same budget.
-        let chunk_bytes = manifest.compression.as_ref().map(|c| c.chunk_bytes);
-        let staging_bytes =
-            chunk_bytes.map_or(0, |cb| compress::Staging::bytes_for(pool.depth(), cb));
-        let plan = plan_trunk(
-            &sizes[..active],
-            opts.budget_bytes.saturating_sub(staging_bytes),
-            opts.ring_slots,
-        )
-        .map_err(|e| {
-            if staging_bytes == 0 {
-                return e.into();
-            }
-            StreamError::Config(format!(
-                "{e} - after the record buffers of this compressed trunk ({} for {} reader \
-                 threads) were taken from the --trunk-gb budget of {}; add them to the figure \
-                 above",
-                fmt_bytes(staging_bytes),
-                pool.depth(),
-                fmt_bytes(opts.budget_bytes)
-            ))
-        })?;
+        let plan = plan_trunk(&sizes[..active], opts.budget_bytes, opts.ring_slots)?;
         let file = Arc::new(DirectFile::open(&dir.join(TRUNK_BIN), opts.o_direct)?);
         let pool = Arc::new(pool);
         let decls = layer_decls(spec, &manifest);
@@ -395,8 +368,6 @@ impl StreamedTrunk {
         let mut t = Self {
             dir: dir.to_path_buf(),
             manifest: Arc::new(manifest),
-            staging: Arc::new(compress::Staging::new(chunk_bytes.unwrap_or(0))),
-            staging_bytes,
             decls,
             plan,
             file,
@@ -453,8 +424,8 @@ impl StreamedTrunk {
                     .collect()
             });
         if let Some(c) = self.manifest.compression.clone() {
-            // Compressed: every chunk of every pinned layer, read and decoded on the trunk's
-            // pool, the buffers populated ahead as below.
+            // Compressed: every chunk of every pinned layer, read and decoded in place at
+            // queue depth PINNED_LOAD_DEPTH, the buffers populated ahead as below.
             let mut reads = Vec::with_capacity(todo.len());
             for (&l, b) in todo.iter().zip(bufs.iter_mut()) {
                 let pl = &self.manifest.layers[l];
@@ -480,13 +451,13 @@ impl StreamedTrunk {
                             super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
                         });
                 }
-                // The trunk's own pool: its depth is what the staging budget covers.
-                self.pinned_load_depth = self.pool.depth();
-                compress::read_layers(&self.pool, &file, &self.staging, c.chunk_bytes, reads)
+                let wide = (self.pool.depth() < PINNED_LOAD_DEPTH)
+                    .then(|| ReadPool::new(PINNED_LOAD_DEPTH).ok())
+                    .flatten();
+                let pool = wide.as_ref().unwrap_or(&self.pool);
+                self.pinned_load_depth = pool.depth();
+                compress::read_layers(pool, &file, c.chunk_bytes, reads)
             })?;
-            if self.plan.ring_slots == 0 {
-                self.staging.release(); // nothing streams: no record is read again
-            }
         } else {
             let mut reqs = Vec::new();
             for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
@@ -589,15 +560,12 @@ impl StreamedTrunk {
             let m = &self.manifest;
             line.push_str(&format!(
                 "; compressed trunk ({}, {} MiB chunks): {} stored for {} of layers ({:.1}%), \
-                 each chunk decoded by the thread that read it; record buffers {} ({} threads) \
-                 taken from the trunk budget",
+                 each chunk decoded in place by the thread that read it",
                 c.codec,
                 c.chunk_bytes >> 20,
                 fmt_bytes(c.stored_bytes),
                 fmt_bytes(m.packed_bytes),
-                100.0 * c.stored_bytes as f64 / m.packed_bytes.max(1) as f64,
-                fmt_bytes(self.staging_bytes),
-                self.pool.depth()
+                100.0 * c.stored_bytes as f64 / m.packed_bytes.max(1) as f64
             ));
         }
         line
@@ -690,7 +658,6 @@ impl StreamedTrunk {
         let (lead, bytes) = read_packed(
             &self.pool,
             &self.file,
-            &self.staging,
             &self.manifest,
             layer,
             slot.full_mut(),
@@ -717,20 +684,12 @@ impl StreamedTrunk {
         let file = Arc::clone(&self.file);
         let pool = Arc::clone(&self.pool);
         let manifest = Arc::clone(&self.manifest);
-        let staging = Arc::clone(&self.staging);
         let handle = std::thread::Builder::new()
             .name("k3-trunk-reader".to_string())
             .spawn(move || {
                 for mut job in jobs_rx {
                     let t0 = Instant::now();
-                    let read = read_packed(
-                        &pool,
-                        &file,
-                        &staging,
-                        &manifest,
-                        job.layer,
-                        job.buf.full_mut(),
-                    );
+                    let read = read_packed(&pool, &file, &manifest, job.layer, job.buf.full_mut());
                     let bytes = read.as_ref().map_or(0, |&(_, b)| b);
                     let done = ReadDone {
                         layer: job.layer,
@@ -893,7 +852,6 @@ impl StreamedTrunk {
         let (lead, bytes) = read_packed(
             &self.pool,
             &self.file,
-            &self.staging,
             &self.manifest,
             layer,
             buf.full_mut(),

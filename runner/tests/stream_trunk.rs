@@ -11,33 +11,6 @@ use k3_run::stream::trunk::{MmapTrunk, PINNED_LOAD_DEPTH, StreamedTrunk, TrunkOp
 use k3_run::weights::TrunkSource;
 use stream_support::*;
 
-/// Walk `tokens` cyclic passes over the layers and compare every tensor with the checkpoint.
-fn check_passes(t: &mut dyn TrunkSource, spec: &ModelSpec, ck: &Checkpoint, tokens: usize) {
-    for _ in 0..tokens {
-        for l in 0..spec.n_layers {
-            let lw = t.layer(l).expect("layer");
-            let n_decl = spec
-                .tensors
-                .iter()
-                .filter(|d| d.layer == Some(l) && d.expert.is_none())
-                .count();
-            assert_eq!(lw.tensors.len(), n_decl, "layer {l}");
-            for tb in &lw.tensors {
-                let want = ck.try_bytes(&tb.decl.name).expect("in checkpoint");
-                assert!(
-                    tb.bytes == want,
-                    "layer {l} tensor {} differs",
-                    tb.decl.name
-                );
-                assert_eq!(
-                    lw.get(tb.decl.role).map(|x| x.bytes.len()),
-                    Some(want.len())
-                );
-            }
-        }
-    }
-}
-
 /// Ask for `layers` in this order and compare every tensor with the checkpoint.
 fn check_layers(t: &mut dyn TrunkSource, ck: &Checkpoint, layers: &[usize]) {
     for &l in layers {

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use k3_models::spec::ModelSpec;
 use k3_run::checkpoint::{Checkpoint, OpenOptions};
 use k3_run::synth::{self, SynthArgs, SynthSpec};
+use k3_run::weights::TrunkSource;
 
 pub const TINY: &str = include_str!("../../../configs/synth/tiny.toml");
 
@@ -120,4 +121,31 @@ pub fn shard_of(model_dir: &Path, tensor: &str) -> PathBuf {
     )
     .expect("index json");
     model_dir.join(idx["weight_map"][tensor].as_str().expect("tensor in index"))
+}
+
+/// Walk `tokens` cyclic passes over the layers and compare every tensor with the checkpoint.
+pub fn check_passes(t: &mut dyn TrunkSource, spec: &ModelSpec, ck: &Checkpoint, tokens: usize) {
+    for _ in 0..tokens {
+        for l in 0..spec.n_layers {
+            let lw = t.layer(l).expect("layer");
+            let n_decl = spec
+                .tensors
+                .iter()
+                .filter(|d| d.layer == Some(l) && d.expert.is_none())
+                .count();
+            assert_eq!(lw.tensors.len(), n_decl, "layer {l}");
+            for tb in &lw.tensors {
+                let want = ck.try_bytes(&tb.decl.name).expect("in checkpoint");
+                assert!(
+                    tb.bytes == want,
+                    "layer {l} tensor {} differs",
+                    tb.decl.name
+                );
+                assert_eq!(
+                    lw.get(tb.decl.role).map(|x| x.bytes.len()),
+                    Some(want.len())
+                );
+            }
+        }
+    }
 }

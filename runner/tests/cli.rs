@@ -799,3 +799,57 @@ fn plan_with_a_packed_trunk_prints_its_memory_plan() {
         &["cannot fit even one ring slot"],
     );
 }
+
+/// `pack-trunk --compress` through the binary: the summary says how much is stored; runs from
+/// the compressed trunk at two ring slots and with every layer pinned give fixture A's
+/// reference ids and the resident run's first-step logit bytes; the mmap I/O policy refuses it
+/// with exit 2, naming the directory.
+#[test]
+fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli_compressed");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let trunk = dir.join("trunk");
+    let a = fixture_a();
+    let o = k3(&[
+        "pack-trunk",
+        "--compress",
+        a.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stdout(&o).contains("stored compressed"), "{}", stdout(&o));
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
+    assert_eq!(m["version"], 2);
+    let largest = m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
+        .max()
+        .unwrap();
+    let (base, dump, _) = run_a(&["--incremental"], &[]);
+    assert_eq!(base["generated_ids"], summary_a()["generated_ids"]);
+    let t = trunk.to_str().unwrap();
+    for gb in [
+        format!("{:.9}", (2 * largest) as f64 / 1e9),
+        "1".to_string(),
+    ] {
+        let (j, d, _) = run_a(&["--incremental", "--trunk", t, "--trunk-gb", &gb], &[]);
+        assert_eq!(j["generated_ids"], base["generated_ids"], "--trunk-gb {gb}");
+        assert_eq!(d, dump, "--trunk-gb {gb}: first-step logits differ");
+        let read = j["trunk"]["bytes_read"].as_u64().unwrap();
+        assert!(read > 0, "{}", j["trunk"]);
+    }
+    let o = k3(&[
+        a.to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--trunk",
+        t,
+        "--io",
+        "mmap",
+    ]);
+    expect_fail(&o, 2, &["compressed", t]);
+}

@@ -987,13 +987,13 @@ impl MmapTrunk {
         let manifest = TrunkManifest::load(dir, spec)?;
         let path = dir.join(TRUNK_BIN);
         if manifest.is_compressed() {
-            return Err(StreamError::Trunk {
-                path: dir.display().to_string(),
-                msg: "is compressed (pack-trunk --compress): its layers cannot be served from \
-                      a mapping; use the direct I/O policy (the default) or pack without \
-                      --compress"
-                    .to_string(),
-            });
+            // A setting that cannot work with this trunk: a usage error (exit 2).
+            return Err(StreamError::Config(format!(
+                "packed trunk {} is compressed (pack-trunk --compress): its layers cannot be \
+                 served from a mapping; use the direct I/O policy (the default) or pack without \
+                 --compress",
+                dir.display()
+            )));
         }
         let f = std::fs::File::open(&path).map_err(|e| StreamError::io("open", &path, e))?;
         // SAFETY: read-only private mapping; trunk.bin is not modified while a run uses it

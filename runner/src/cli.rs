@@ -80,6 +80,10 @@ pub struct PackCli {
     /// "Compressed trunk").
     #[arg(long)]
     pub compress: bool,
+    /// With --compress: raw KiB per record (a multiple of 4; default 2048). Smaller chunks
+    /// only cost a little more index; for testing several records per layer on small models.
+    #[arg(long, value_name = "KIB", requires = "compress")]
+    pub chunk_kib: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -1286,8 +1290,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 fn pack_main(p: &PackCli) -> Result<u8, Failure> {
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), None)?;
-    let r = crate::stream::pack::run(&p.model_dir, &spec, &p.trunk_dir, p.compress)
-        .map_err(stream_failure)?;
+    let r = crate::stream::pack::run(
+        &p.model_dir,
+        &spec,
+        &p.trunk_dir,
+        p.compress.then(|| {
+            p.chunk_kib
+                .map_or(crate::stream::compress::CHUNK_BYTES, |k| k << 10)
+        }),
+    )
+    .map_err(stream_failure)?;
     println!("{}", r.summary());
     Ok(exit::OK)
 }

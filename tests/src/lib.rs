@@ -128,7 +128,7 @@ pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
     if !trunk.join("trunk.json").is_file() {
         let _ = std::fs::remove_dir_all(&trunk);
         let (spec_m, _ck) = open_model(&model);
-        k3_run::stream::pack::run(&model, &spec_m, &trunk, false)
+        k3_run::stream::pack::run(&model, &spec_m, &trunk, None)
             .unwrap_or_else(|e| panic!("pack {spec}: {e}"));
     }
     (model, trunk)

@@ -581,11 +581,12 @@ fn remove_if_exists(p: &Path) -> Result<(), StreamError> {
 
 /// The `k3-run pack-trunk MODEL_DIR OUT_DIR` command body: pack with a progress bar and print
 /// the summary line to stderr.
+/// `compress`: `Some(chunk_bytes)` for a compressed pack.
 pub fn run(
     model_dir: &Path,
     spec: &ModelSpec,
     out_dir: &Path,
-    compress: bool,
+    compress: Option<u64>,
 ) -> Result<PackReport, StreamError> {
     eprintln!(
         "pack-trunk: {} layers of {} from {} into {}{}",
@@ -593,19 +594,13 @@ pub fn run(
         spec.name,
         model_dir.display(),
         out_dir.display(),
-        if compress {
-            " (compressed: byte planes, 4-bit codes for the sign/exponent bytes)"
+        if compress.is_some() {
+            " (compressed: 4-bit codes for the bf16 sign/exponent bytes)"
         } else {
             ""
         }
     );
-    let r = pack_trunk_with(
-        model_dir,
-        spec,
-        out_dir,
-        true,
-        compress.then_some(compress::CHUNK_BYTES),
-    )?;
+    let r = pack_trunk_with(model_dir, spec, out_dir, true, compress)?;
     eprintln!("pack-trunk: {}", r.summary());
     Ok(r)
 }

@@ -1323,28 +1323,49 @@ fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
     };
     if p.json {
         let mut v = serde_json::to_value(&plan).map_err(|e| Failure::usage(e.to_string()))?;
-        if let Some(t) = &trunk_plan {
+        if let Some((t, m)) = &trunk_plan {
             v["trunk_plan"] = serde_json::to_value(t).map_err(|e| Failure::usage(e.to_string()))?;
+            if let Some(c) = &m.compression {
+                v["trunk_compression"] =
+                    serde_json::to_value(c).map_err(|e| Failure::usage(e.to_string()))?;
+            }
         }
         let s = serde_json::to_string_pretty(&v).map_err(|e| Failure::usage(e.to_string()))?;
         println!("{s}");
     } else {
         print!("{plan}");
-        if let Some(t) = &trunk_plan {
+        if let Some((t, m)) = &trunk_plan {
             for l in t.report_lines() {
                 println!("{l}");
+            }
+            if let Some(c) = &m.compression {
+                println!(
+                    "compressed trunk ({}): a pass over the streamed layers reads {:.1}% of \
+                     their bytes ({} of records for {} of layers), decoded in place",
+                    c.codec,
+                    100.0 * c.stored_bytes as f64 / m.packed_bytes.max(1) as f64,
+                    crate::stream::fmt_bytes(c.stored_bytes),
+                    crate::stream::fmt_bytes(m.packed_bytes)
+                );
             }
         }
     }
     Ok(exit::OK)
 }
 
-/// `plan --trunk DIR`: the trunk memory plan at `--trunk-gb` (or the preset's budget).
+/// `plan --trunk DIR`: the trunk memory plan at `--trunk-gb` (or the preset's budget), and
+/// the packed trunk's manifest.
 fn plan_packed_trunk(
     p: &PlanCli,
     dir: &Path,
     spec: &ModelSpec,
-) -> Result<crate::stream::plan::TrunkPlan, Failure> {
+) -> Result<
+    (
+        crate::stream::plan::TrunkPlan,
+        crate::stream::pack::TrunkManifest,
+    ),
+    Failure,
+> {
     let gb = match (p.trunk_gb, &p.preset) {
         (Some(g), _) => g,
         (None, Some(name)) => {
@@ -1362,8 +1383,9 @@ fn plan_packed_trunk(
         crate::stream::gb_to_bytes(gb, "--trunk-gb").map_err(|e| Failure::usage(e.to_string()))?;
     let m = crate::stream::pack::TrunkManifest::load(dir, spec)
         .map_err(|e| Failure::usage(e.to_string()))?;
-    crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
-        .map_err(|e| Failure::usage(e.to_string()))
+    let plan = crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
+        .map_err(|e| Failure::usage(e.to_string()))?;
+    Ok((plan, m))
 }
 
 /// Entry point used by `main`.

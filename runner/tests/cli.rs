@@ -852,4 +852,10 @@ fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
         "mmap",
     ]);
     expect_fail(&o, 2, &["compressed", t]);
+    let o = k3(&["plan", a.to_str().unwrap(), "--trunk", t, "--trunk-gb", "1"]);
+    assert!(
+        stdout(&o).contains("compressed trunk (bf16-nibble-inplace): a pass"),
+        "{}",
+        stdout(&o)
+    );
 }

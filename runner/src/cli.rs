@@ -1289,15 +1289,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 fn pack_main(p: &PackCli) -> Result<u8, Failure> {
+    let chunk = match p.chunk_kib {
+        None => crate::stream::compress::CHUNK_BYTES,
+        Some(k) => k
+            .checked_mul(1024)
+            .filter(|&b| b > 0 && b.is_multiple_of(4096))
+            .ok_or_else(|| {
+                Failure::usage(format!(
+                    "--chunk-kib {k}: must be a positive multiple of 4 (KiB) that fits in 64 bits"
+                ))
+            })?,
+    };
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), None)?;
     let r = crate::stream::pack::run(
         &p.model_dir,
         &spec,
         &p.trunk_dir,
-        p.compress.then(|| {
-            p.chunk_kib
-                .map_or(crate::stream::compress::CHUNK_BYTES, |k| k << 10)
-        }),
+        p.compress.then_some(chunk),
     )
     .map_err(stream_failure)?;
     println!("{}", r.summary());

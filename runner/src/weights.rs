@@ -21,6 +21,9 @@ pub enum WeightError {
     },
     #[error("tensor {name}: {msg}")]
     Invalid { name: String, msg: String },
+    /// A streamed trunk that cannot serve a layer (the message names the file and layer).
+    #[error("{0}")]
+    Trunk(String),
     #[error("routed expert {expert} of layer {layer} failed to load: {msg}")]
     Expert {
         layer: usize,

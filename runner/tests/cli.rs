@@ -852,6 +852,19 @@ fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
         "mmap",
     ]);
     expect_fail(&o, 2, &["compressed", t]);
+    let bad = dir.join("bad");
+    for k in ["0", "6", "18014398509481988"] {
+        let o = k3(&[
+            "pack-trunk",
+            "--compress",
+            "--chunk-kib",
+            k,
+            a.to_str().unwrap(),
+            bad.to_str().unwrap(),
+        ]);
+        expect_fail(&o, 2, &["--chunk-kib"]);
+    }
+    assert!(!bad.join("trunk.json").exists());
     let o = k3(&["plan", a.to_str().unwrap(), "--trunk", t, "--trunk-gb", "1"]);
     assert!(
         stdout(&o).contains("compressed trunk (bf16-nibble-inplace): a pass"),

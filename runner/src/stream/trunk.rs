@@ -275,10 +275,9 @@ fn weight_err(layer: usize, e: StreamError) -> WeightError {
             path,
             source,
         },
-        other => WeightError::Invalid {
-            name: format!("packed trunk layer {layer}"),
-            msg: other.to_string(),
-        },
+        // Already names the file, layer and chunk.
+        e @ StreamError::Trunk { .. } => WeightError::Trunk(e.to_string()),
+        other => WeightError::Trunk(format!("packed trunk layer {layer}: {other}")),
     }
 }
 
@@ -559,10 +558,10 @@ impl StreamedTrunk {
         if let Some(c) = &self.manifest.compression {
             let m = &self.manifest;
             line.push_str(&format!(
-                "; compressed trunk ({}, {} MiB chunks): {} stored for {} of layers ({:.1}%), \
+                "; compressed trunk ({}, {} chunks): {} stored for {} of layers ({:.1}%), \
                  each chunk decoded in place by the thread that read it",
                 c.codec,
-                c.chunk_bytes >> 20,
+                fmt_bytes(c.chunk_bytes),
                 fmt_bytes(c.stored_bytes),
                 fmt_bytes(m.packed_bytes),
                 100.0 * c.stored_bytes as f64 / m.packed_bytes.max(1) as f64

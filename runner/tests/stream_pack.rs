@@ -211,6 +211,7 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
     // A tampered chunk table: a record offset that is not aligned.
     let json = std::fs::read_to_string(a.join(TRUNK_JSON)).expect("json");
     let mut v: serde_json::Value = serde_json::from_str(&json).expect("parse");
+    let orig_at = v["layers"][1]["stored"]["chunks"][1]["at"].clone();
     v["layers"][1]["stored"]["chunks"][1]["at"] = serde_json::json!(4097);
     let bad = dir.join("z_badjson");
     std::fs::create_dir_all(&bad).expect("mkdir");
@@ -218,6 +219,20 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
     std::fs::write(bad.join(TRUNK_JSON), v.to_string()).expect("write");
     let e = TrunkManifest::load(&bad, &spec).expect_err("misaligned record refused");
     assert!(e.to_string().contains("layer 1, chunk 1"), "{e}");
+    // A record offset at the end of the u64 range: refused, no overflow.
+    let last = v["layers"][1]["stored"]["chunks"]
+        .as_array()
+        .expect("chunks")
+        .len()
+        - 1;
+    v["layers"][1]["stored"]["chunks"][1]["at"] = orig_at;
+    v["layers"][1]["stored"]["chunks"][last]["at"] = serde_json::json!(u64::MAX - 4095);
+    std::fs::write(bad.join(TRUNK_JSON), v.to_string()).expect("write");
+    let e = TrunkManifest::load(&bad, &spec).expect_err("a record past any file refused");
+    assert!(
+        e.to_string().contains(&format!("layer 1, chunk {last}")),
+        "{e}"
+    );
 
     // A damaged record: layer 1's first coded record.
     let pl = m.layers[1].clone();

@@ -811,7 +811,12 @@ impl TrunkManifest {
                     ch.at, ch.len, ch.z
                 ));
             }
-            end = ch.at + ch.len;
+            end = ch.at.checked_add(ch.len).ok_or_else(|| {
+                format!(
+                    "layer {i}, chunk {k}: record at +{} runs past any file",
+                    ch.at
+                )
+            })?;
         }
         if end != s.bytes {
             return Err(format!(

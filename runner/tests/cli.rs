@@ -89,6 +89,21 @@ fn fnv1a(bytes: &[u8]) -> String {
     format!("{h:016x}")
 }
 
+/// A packed trunk's trunk.json.
+fn trunk_json(trunk: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap()
+}
+
+/// Its layers' sizes rounded up to 4096 (the ring slot each needs).
+fn layer_slots(m: &Value) -> Vec<u64> {
+    m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
+        .collect()
+}
+
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
@@ -375,15 +390,8 @@ fn prefill_chunk_changes_no_bit() {
     let trunk = tmp.path().join("trunk");
     let o = k3(&["pack-trunk", a.to_str().unwrap(), trunk.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
-    let m: Value =
-        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
-    let largest = m["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
-        .max()
-        .unwrap();
+    let m = trunk_json(&trunk);
+    let largest = *layer_slots(&m).iter().max().unwrap();
     let gb = format!("{:.9}", (2 * largest) as f64 / 1e9);
     let t = trunk.to_str().unwrap();
     for (extra, want) in [
@@ -761,14 +769,8 @@ fn plan_with_a_packed_trunk_prints_its_memory_plan() {
     let a = a.to_str().unwrap();
     let o = k3(&["pack-trunk", a, trunk.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
-    let m: Value =
-        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
-    let sizes: Vec<u64> = m["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
-        .collect();
+    let m = trunk_json(&trunk);
+    let sizes = layer_slots(&m);
     let (largest, smallest) = (*sizes.iter().max().unwrap(), *sizes.iter().min().unwrap());
     // Between one slot and two: a shared ring (the largest layer beside the smallest fits).
     let gb = format!("{:.9}", (largest + smallest) as f64 / 1e9);
@@ -819,16 +821,9 @@ fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
     ]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(stdout(&o).contains("stored compressed"), "{}", stdout(&o));
-    let m: Value =
-        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
+    let m = trunk_json(&trunk);
     assert_eq!(m["version"], 2);
-    let largest = m["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["size"].as_u64().unwrap().next_multiple_of(4096))
-        .max()
-        .unwrap();
+    let largest = *layer_slots(&m).iter().max().unwrap();
     let (base, dump, _) = run_a(&["--incremental"], &[]);
     assert_eq!(base["generated_ids"], summary_a()["generated_ids"]);
     let t = trunk.to_str().unwrap();

@@ -20,6 +20,34 @@ fn paths() -> Vec<Isa> {
     available()
 }
 
+/// Run a several-input kernel (`many`) on every path and check each output against the
+/// one-input scalar reference (`one`); returns the references.
+fn check_many(
+    label: &str,
+    rows: usize,
+    xs: &[Vec<f32>],
+    many: impl Fn(Isa, &[&[f32]], &mut [&mut [f32]]),
+    one: impl Fn(&[f32], &mut [f32]),
+) -> Vec<Vec<f32>> {
+    let wants: Vec<Vec<f32>> = xs
+        .iter()
+        .map(|x| {
+            let mut want = vec![0.0f32; rows];
+            one(x, &mut want);
+            want
+        })
+        .collect();
+    let xr = views(xs);
+    for isa in paths() {
+        let mut outs = vec![vec![f32::NAN; rows]; xs.len()];
+        many(isa, &xr, &mut views_mut(&mut outs));
+        for (got, want) in outs.iter().zip(&wants) {
+            assert_same(&format!("{label} {isa:?}"), got, want);
+        }
+    }
+    wants
+}
+
 fn cfg() -> ProptestConfig {
     ProptestConfig {
         cases: 48,
@@ -51,25 +79,19 @@ proptest! {
         let w = r.bf16s(rows * cols, 1.0);
         let xs: Vec<Vec<f32>> = (0..n).map(|_| r.f32s(cols, 4.0)).collect();
         let p1 = &pools()[0];
+        let label = format!("bf16 many {rows}x{cols} of {n}");
+        let wants = check_many(&label, rows, &xs,
+            |isa, xr, or| rows_bf16_many_with(isa, &w, xr, or),
+            |x, want| matvec_bf16_with(Isa::Scalar, p1, &w, x, want));
+        // rows split across threads
+        let xr = views(&xs);
         for isa in paths() {
-            let mut outs = vec![vec![f32::NAN; rows]; n];
-            let xr = views(&xs);
-            let mut or = views_mut(&mut outs);
-            rows_bf16_many_with(isa, &w, &xr, &mut or);
-            let mut wants = Vec::new();
-            for (x, got) in xs.iter().zip(&outs) {
-                let mut want = vec![0.0f32; rows];
-                matvec_bf16_with(Isa::Scalar, p1, &w, x, &mut want);
-                assert_same(&format!("bf16 many {isa:?} {rows}x{cols} of {n}"), got, &want);
-                wants.push(want);
-            }
-            // rows split across threads
             for pool in pools() {
+                let mut outs = vec![vec![f32::NAN; rows]; n];
                 let mut or = views_mut(&mut outs);
-                or.iter_mut().for_each(|o| o.fill(f32::NAN));
                 matvec_bf16_many_with(isa, pool, &w, &xr, &mut or);
                 for (got, want) in outs.iter().zip(&wants) {
-                    let what = format!("bf16 many {isa:?} {} threads {rows}x{cols} of {n}", pool.n_threads());
+                    let what = format!("{label} {isa:?} {} threads", pool.n_threads());
                     assert_same(&what, got, want);
                 }
             }
@@ -87,17 +109,9 @@ proptest! {
         scales[0] = 0;
         let xs: Vec<Vec<f32>> = (0..n).map(|_| r.f32s(cols, 4.0)).collect();
         let p1 = &pools()[0];
-        for isa in paths() {
-            let mut outs = vec![vec![f32::NAN; rows]; n];
-            let xr = views(&xs);
-            let mut or = views_mut(&mut outs);
-            rows_mxfp4_many_with(isa, &packed, &scales, &xr, &mut or);
-            for (x, got) in xs.iter().zip(&outs) {
-                let mut want = vec![0.0f32; rows];
-                matvec_mxfp4_with(Isa::Scalar, p1, &packed, &scales, x, &mut want);
-                assert_same(&format!("mxfp4 many {isa:?} {rows}x{cols} of {n}"), got, &want);
-            }
-        }
+        check_many(&format!("mxfp4 many {rows}x{cols} of {n}"), rows, &xs,
+            |isa, xr, or| rows_mxfp4_many_with(isa, &packed, &scales, xr, or),
+            |x, want| matvec_mxfp4_with(Isa::Scalar, p1, &packed, &scales, x, want));
     }
 
     #[test]

@@ -444,9 +444,7 @@ fn widen(t: TensorBytes<'_>, out: &mut [f32]) -> usize {
     match t.decl.dtype {
         DType::BF16 => {
             let n = t.bytes.len() / 2;
-            for (o, c) in out[..n].iter_mut().zip(t.bytes.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-            }
+            crate::weights::widen_bf16_le(t.bytes, &mut out[..n]);
             n
         }
         DType::F32 => {
@@ -1039,15 +1037,7 @@ impl<'s> Executor<'s> {
         self.attn_in(l, lw)?;
         let d = spec.d_model;
         self.rows.xn[..d].copy_from_slice(&self.s.xn);
-        Self::attention(
-            spec,
-            (&self.pool, &self.serial),
-            &mut self.s,
-            &mut self.rows,
-            (lw, l),
-            &mut [st],
-            &[(0, pos)],
-        )?;
+        self.attention((lw, l), &mut [st], &[(0, pos)])?;
         Self::attn_merge(spec, &mut self.s, lw, l, &self.rows.attn_out[..d])?;
         let (pool, serial, fetch, plan, s, guess) = (
             &self.pool,
@@ -1119,15 +1109,7 @@ impl<'s> Executor<'s> {
             })?;
         }
         let mut sts: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
-        Self::attention(
-            spec,
-            (&self.pool, &self.serial),
-            &mut self.s,
-            &mut self.rows,
-            (lw, l),
-            &mut sts,
-            at,
-        )?;
+        self.attention((lw, l), &mut sts, at)?;
         for i in 0..n {
             self.with_carry(carries, i, |ex| {
                 let attn_out = &ex.rows.attn_out[i * d..(i + 1) * d];
@@ -1486,14 +1468,14 @@ impl<'s> Executor<'s> {
     /// (token `i` on `sts[at[i].0]` at position `at[i].1`, in order), outputs into
     /// `rows.attn_out`: KDA or MLA by the layer map.
     fn attention(
-        spec: &ModelSpec,
-        pools: (&Pool, &Pool),
-        s: &mut Scratch,
-        rows: &mut Rows,
+        &mut self,
         (lw, l): (&LayerWeights<'_>, usize),
         sts: &mut [&mut LayerState],
         at: &[(usize, usize)],
     ) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let pools = (&self.pool, &self.serial);
+        let (s, rows) = (&mut self.s, &mut self.rows);
         match spec.layers[l].attn {
             AttnKind::Kda => Self::kda_many(spec, pools, s, rows, (lw, l), sts, at),
             AttnKind::Mla => Self::mla_many(spec, pools.0, s, rows, (lw, l), sts, at),

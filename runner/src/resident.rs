@@ -504,14 +504,8 @@ impl GlobalSource for ResidentGlobal<'_> {
                 name: decl.name.clone(),
                 msg: format!("token {token} is past the end of the embedding"),
             })?;
-        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-        }
+        crate::weights::widen_bf16_le(bytes, out);
         Ok(())
-    }
-
-    fn lm_head(&mut self, pool: &Pool, x: &[f32], logits: &mut [f32]) -> Result<(), WeightError> {
-        self.lm_head_many(pool, &[x], &mut [logits])
     }
 
     fn lm_head_many(

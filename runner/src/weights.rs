@@ -32,6 +32,13 @@ pub enum WeightError {
     },
 }
 
+/// Widen little-endian bf16 `bytes` exactly into `out` (as many values as both hold).
+pub fn widen_bf16_le(bytes: &[u8], out: &mut [f32]) {
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = k3_kernels::reduce::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+    }
+}
+
 /// The raw checkpoint bytes of one tensor, with its declaration.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorBytes<'a> {
@@ -225,27 +232,25 @@ pub trait GlobalSource: Send {
     fn embed_row(&mut self, token: u32, out: &mut [f32]) -> Result<(), WeightError>;
     /// Compute `logits = lm_head · x` (rows = vocab) with the canonical matvec, in chunks if
     /// streamed; the result bits must not depend on the chunking (rows are independent).
+    /// [`Self::lm_head_many`] with one input.
     fn lm_head(
         &mut self,
         pool: &k3_kernels::par::Pool,
         x: &[f32],
         logits: &mut [f32],
-    ) -> Result<(), WeightError>;
+    ) -> Result<(), WeightError> {
+        self.lm_head_many(pool, &[x], &mut [logits])
+    }
     /// [`Self::lm_head`] for several inputs: `logits[t] = lm_head · xs[t]`, each bit-identical
-    /// to its own `lm_head` call. Sources that can should read the matrix once for all inputs
-    /// (a verify pass or a batch step wants several positions' logits; real K3's lm_head is
-    /// 2.3 GB); this default calls `lm_head` per input.
+    /// to what one input alone gives. Sources should read the matrix once for all inputs (a
+    /// verify pass or a batch step wants several positions' logits; real K3's lm_head is
+    /// 2.3 GB).
     fn lm_head_many(
         &mut self,
         pool: &k3_kernels::par::Pool,
         xs: &[&[f32]],
         logits: &mut [&mut [f32]],
-    ) -> Result<(), WeightError> {
-        for (x, l) in xs.iter().zip(logits.iter_mut()) {
-            self.lm_head(pool, x, l)?;
-        }
-        Ok(())
-    }
+    ) -> Result<(), WeightError>;
     /// A small global tensor (final norm, output AttnRes proj/norm) as raw bytes.
     fn small(&self, role: TensorRole) -> Option<TensorBytes<'_>>;
 }

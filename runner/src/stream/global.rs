@@ -210,14 +210,8 @@ impl GlobalSource for StreamedGlobal {
             .map_err(|err| io_err(&e.name, err))?;
         self.read_seconds += t0.elapsed().as_secs_f64();
         self.bytes_read += self.row.len() as u64;
-        for (o, c) in out.iter_mut().zip(self.row.chunks_exact(2)) {
-            *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-        }
+        crate::weights::widen_bf16_le(&self.row, out);
         Ok(())
-    }
-
-    fn lm_head(&mut self, pool: &Pool, x: &[f32], logits: &mut [f32]) -> Result<(), WeightError> {
-        self.lm_head_many(pool, &[x], &mut [logits])
     }
 
     /// Each chunk of rows read once and applied to every input.

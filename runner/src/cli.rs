@@ -757,7 +757,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         ));
     }
     let (start, prefix_ids) = match &a.load_state {
-        Some(p) => crate::statefile::load(p, &spec).map_err(|e| Failure::usage(e.to_string()))?,
+        Some(p) => crate::statefile::load(p, &spec, ckpt.weights_fingerprint(&spec).as_deref())
+            .map_err(|e| Failure::usage(e.to_string()))?,
         None => (crate::exec::SeqState::new(&spec), Vec::new()),
     };
     if !prefix_ids.is_empty() {
@@ -854,9 +855,15 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     });
     let res = match res {
         Ok((r, end_state)) => {
-            if let Some(p) = &a.save_state {
+            // A run stopped by an expert that failed to load has no trustworthy state.
+            let failed = r
+                .stopped_by
+                .as_deref()
+                .is_some_and(|s| s.starts_with("expert load failed"));
+            if let Some(p) = a.save_state.as_ref().filter(|_| !failed) {
                 let ids: Vec<u32> = prefix_ids.iter().chain(&req.prompt_ids).copied().collect();
-                crate::statefile::save(p, &spec, &end_state, &ids).map_err(|e| Failure {
+                let fp = ckpt.weights_fingerprint(&spec);
+                crate::statefile::save(p, &spec, fp, &end_state, &ids).map_err(|e| Failure {
                     code: exit::OUT_WRITE,
                     msg: e.to_string(),
                 })?;
@@ -1082,8 +1089,19 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         msg: format!("cannot write --out {}: {e}", a.out.display()),
     })?;
     if experts.load_failures > 0 {
+        if let Some(why) = res
+            .stopped_by
+            .as_deref()
+            .filter(|s| s.starts_with("expert load failed"))
+        {
+            eprintln!(
+                "k3-run: stopped after {} ids: {why}",
+                res.generated_ids.len()
+            );
+        }
         eprintln!(
-            "k3-run: {} routed expert loads failed: the ids are not trustworthy",
+            "k3-run: {} routed expert loads failed: the ids are not trustworthy (report and \
+             --out written)",
             experts.load_failures
         );
         return Ok(exit::EXPERT_LOAD);

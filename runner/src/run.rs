@@ -10,6 +10,7 @@ use k3_models::spec::ModelSpec;
 
 use crate::exec::{ExecError, Executor, Providers, SeqState};
 use crate::speculate::{SpecStats, Speculation, Speculator};
+use crate::weights::WeightError;
 
 /// How to generate.
 #[derive(Clone, Debug)]
@@ -105,8 +106,19 @@ pub fn generate_with(
     };
     // Layer-major chunks: a streamed trunk is read once per chunk, not once per prompt token
     // (same bits as feeding token by token; tests/tests/invariance.rs).
+    let mut expert_failed = false;
     for chunk in req.prompt_ids.chunks(exec.prefill_chunk()) {
-        exec.prefill(chunk, &mut state, w, &mut logits)?;
+        match exec.prefill(chunk, &mut state, w, &mut logits) {
+            Ok(()) => {}
+            // A routed expert that could not be loaded: nothing is zeroed; the run reports
+            // (no ids) and exits 4 (SYSTEM.md §6).
+            Err(e @ ExecError::Weight(WeightError::Expert { .. })) => {
+                res.stopped_by = Some(format!("expert load failed: {e}"));
+                res.total_seconds = t0.elapsed().as_secs_f64();
+                return Ok((res, None, state));
+            }
+            Err(e) => return Err(e),
+        }
     }
     res.prefill_seconds = t0.elapsed().as_secs_f64();
     res.first_logits = logits.clone();
@@ -146,13 +158,13 @@ pub fn generate_with(
             break;
         }
         let ts = Instant::now();
-        match sp.as_mut() {
+        let stepped: Result<(), ExecError> = match sp.as_mut() {
             // A verified guess: fed already (or pending in the speculator).
-            Some(_) if guessed => {}
+            Some(_) if guessed => Ok(()),
             Some(sp) => {
                 let room = req.n_gen - (i + 1);
                 let context = every_id(&res);
-                queue.extend(sp.advance(
+                sp.advance(
                     exec,
                     &mut state,
                     w,
@@ -161,20 +173,32 @@ pub fn generate_with(
                     room,
                     &mut logits,
                     &choose,
-                )?);
+                )
+                .map(|guesses| queue.extend(guesses))
             }
-            None if req.incremental => exec.step(next, &mut state, w, &mut logits)?,
+            None if req.incremental => exec.step(next, &mut state, w, &mut logits),
             None => {
                 // full recompute: the starting state fed the whole prefix again
                 state = start.clone();
-                for chunk in every_id(&res).chunks(exec.prefill_chunk()) {
-                    exec.prefill(chunk, &mut state, w, &mut logits)?;
-                }
+                every_id(&res)
+                    .chunks(exec.prefill_chunk())
+                    .try_for_each(|chunk| exec.prefill(chunk, &mut state, w, &mut logits))
             }
-        }
+        };
         decode_seconds += ts.elapsed().as_secs_f64();
+        match stepped {
+            Ok(()) => {}
+            // A routed expert that could not be loaded: nothing is zeroed, the run stops
+            // after the ids it could compute and reports (exit 4: SYSTEM.md §6).
+            Err(e @ ExecError::Weight(WeightError::Expert { .. })) => {
+                res.stopped_by = Some(format!("expert load failed: {e}"));
+                expert_failed = true;
+                break;
+            }
+            Err(e) => return Err(e),
+        }
     }
-    if let Some(sp) = sp.as_mut() {
+    if let Some(sp) = sp.as_mut().filter(|_| !expert_failed) {
         sp.finish(exec, &mut state, w, &every_id(&res), start.n_pos)?;
     }
     let n_decode = res.generated_ids.len().saturating_sub(1);

@@ -129,6 +129,9 @@ pub fn build_with<'c>(
     }
     // Whether the whole trunk is in RAM (no layer read per token): kernel workers spin.
     let mut trunk_in_ram = m.trunk_dir.is_none();
+    if let Some(dir) = &m.trunk_dir {
+        check_trunk_source(dir, spec, ckpt, &mut startup)?;
+    }
     let trunk: Box<dyn crate::weights::TrunkSource + 'c> = match &m.trunk_dir {
         None => {
             startup.push(format!(
@@ -350,4 +353,42 @@ pub fn check_states(
         check_state_memory(&state, planned_bytes, limit)?;
     }
     Ok(line)
+}
+
+/// Refuse a packed trunk at `dir` whose layers were not packed from `ckpt` (each bound
+/// layer's `source_fingerprint` against [`Checkpoint::layer_fingerprint`]), naming the first
+/// layer that differs and both fingerprints; a trunk.json without them (an older pack) is
+/// accepted with a start-up note.
+fn check_trunk_source(
+    dir: &std::path::Path,
+    spec: &ModelSpec,
+    ckpt: &Checkpoint,
+    startup: &mut Vec<String>,
+) -> Result<(), StreamError> {
+    let manifest = crate::stream::pack::TrunkManifest::load(dir, spec)?;
+    for (l, pl) in manifest.layers.iter().enumerate().take(spec.n_layers) {
+        let Some(packed) = &pl.source_fingerprint else {
+            startup.push(format!(
+                "trunk: {} has no source fingerprints (packed by an older k3-run): not checked \
+                 against {}",
+                dir.display(),
+                ckpt.dir().display()
+            ));
+            return Ok(());
+        };
+        let here = ckpt.layer_fingerprint(spec, l);
+        if here.as_deref() != Some(packed.as_str()) {
+            return Err(StreamError::Config(format!(
+                "packed trunk {} was packed from other weights than {} (layer {l}: weights \
+                 fingerprint {packed}, this checkpoint {}): pack it again with `k3-run \
+                 pack-trunk {} {}`",
+                dir.display(),
+                ckpt.dir().display(),
+                here.as_deref().unwrap_or("(tensors missing)"),
+                ckpt.dir().display(),
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
 }

@@ -30,6 +30,10 @@ pub struct Header {
     pub n_pos: usize,
     /// The token ids the state has consumed.
     pub ids: Vec<u32>,
+    /// `Checkpoint::weights_fingerprint` of the weights that computed the state: a state
+    /// from other weights of the same shape is refused. Absent in older files (not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_fingerprint: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +78,7 @@ fn put(w: &mut Vec<u8>, v: &[f32]) {
 pub fn save(
     path: &Path,
     spec: &ModelSpec,
+    weights_fingerprint: Option<String>,
     state: &SeqState,
     ids: &[u32],
 ) -> Result<(), StateFileError> {
@@ -87,6 +92,7 @@ pub fn save(
         n_layers: spec.n_layers,
         n_pos: state.n_pos,
         ids: ids.to_vec(),
+        weights_fingerprint,
     };
     let hj = serde_json::to_vec(&header).map_err(|e| StateFileError::Invalid {
         path: path.display().to_string(),
@@ -160,8 +166,13 @@ impl Reader<'_> {
     }
 }
 
-/// Load a state saved for this exact model. Returns the state and the ids it consumed.
-pub fn load(path: &Path, spec: &ModelSpec) -> Result<(SeqState, Vec<u32>), StateFileError> {
+/// Load a state saved for this exact model (and, when both are known, these weights:
+/// `weights_fingerprint`). Returns the state and the ids it consumed.
+pub fn load(
+    path: &Path,
+    spec: &ModelSpec,
+    weights_fingerprint: Option<&str>,
+) -> Result<(SeqState, Vec<u32>), StateFileError> {
     let mut bytes = Vec::new();
     std::fs::File::open(path)
         .and_then(|mut f| f.read_to_end(&mut bytes))
@@ -191,6 +202,14 @@ pub fn load(path: &Path, spec: &ModelSpec) -> Result<(SeqState, Vec<u32>), State
             h.spec_fingerprint,
             spec.name,
             spec_fingerprint(spec)
+        )));
+    }
+    if let (Some(saved), Some(here)) = (h.weights_fingerprint.as_deref(), weights_fingerprint)
+        && saved != here
+    {
+        return Err(r.bad(format!(
+            "saved from other weights of this model's shape (weights fingerprint {saved}, this \
+             checkpoint {here}): save it again from this checkpoint"
         )));
     }
     if h.ids.len() != h.n_pos {

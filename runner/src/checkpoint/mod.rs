@@ -533,6 +533,44 @@ impl Checkpoint {
         self.table.get(name).map(|e| (e.dtype, &*e.shape))
     }
 
+    /// A cheap identity of the checkpoint's weights: FNV-1a 64 over every non-expert tensor
+    /// of `spec` (trunk layers and globals, in spec order): its name, length, then its first
+    /// and last 64 bytes. Two checkpoints of the same shape with other weights differ here
+    /// (unless they agree at every sampled byte), so a saved state made with one is not
+    /// silently used with the other. Reads ~2 pages per tensor; routed experts are not read.
+    /// `None` when a sampled tensor is absent (a partial shard set).
+    pub fn weights_fingerprint(&self, spec: &ModelSpec) -> Option<String> {
+        self.fingerprint(spec.tensors.iter().filter(|t| t.expert.is_none()))
+    }
+
+    /// [`Checkpoint::weights_fingerprint`] of one layer's trunk tensors (what a packed trunk
+    /// holds of that layer).
+    pub fn layer_fingerprint(&self, spec: &ModelSpec, layer: usize) -> Option<String> {
+        self.fingerprint(
+            spec.tensors
+                .iter()
+                .filter(|t| t.expert.is_none() && t.layer == Some(layer)),
+        )
+    }
+
+    fn fingerprint<'a>(&self, tensors: impl Iterator<Item = &'a TensorDecl>) -> Option<String> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: &[u8]| {
+            for &x in b {
+                h ^= u64::from(x);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        for t in tensors {
+            eat(t.name.as_bytes());
+            let b = self.try_bytes(&t.name)?;
+            eat(&(b.len() as u64).to_le_bytes());
+            eat(&b[..b.len().min(64)]);
+            eat(&b[b.len().saturating_sub(64)..]);
+        }
+        Some(format!("{h:016x}"))
+    }
+
     /// The raw bytes of a tensor by name, `None` if the checkpoint does not hold it.
     pub fn try_bytes(&self, name: &str) -> Option<&[u8]> {
         let e = self.table.get(name)?;

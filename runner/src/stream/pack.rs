@@ -79,6 +79,11 @@ pub struct PackedLayer {
     /// size, the bytes it takes in RAM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored: Option<StoredLayer>,
+    /// [`Checkpoint::layer_fingerprint`] of the weights packed: a run refuses a trunk packed
+    /// from other weights of the same shape. Absent in packs of older builds (then not
+    /// checked, and said so at start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_fingerprint: Option<String>,
 }
 
 /// One tensor inside a packed layer.
@@ -309,6 +314,7 @@ pub fn plan_pack(
             source_offset: s.source_offset,
             tensors: s.tensors,
             stored: None,
+            source_fingerprint: ck.layer_fingerprint(spec, l),
         });
         offset = align_up(offset + s.size, IO_ALIGN as u64);
         sources.push(s.shard_path);

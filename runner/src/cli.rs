@@ -653,11 +653,22 @@ fn with_prefill_chunk(a: &RunArgs, mut plan: Plan) -> Result<Plan, Failure> {
 
 pub fn run_threads(a: &RunArgs) -> Result<usize, Failure> {
     let rc = run_config(a)?;
-    Ok(a.threads
-        .or_else(|| rc.and_then(|r| r.threads))
-        .unwrap_or_else(default_threads)
-        .max(1))
+    let (n, from) = match (a.threads, rc.and_then(|r| r.threads)) {
+        (Some(n), _) => (n, "--threads"),
+        (None, Some(n)) => (n, "the run config's threads"),
+        (None, None) => return Ok(default_threads().max(1)),
+    };
+    if !(1..=MAX_THREADS).contains(&n) {
+        return Err(Failure::usage(format!(
+            "{from}: {n} threads; must be in 1..={MAX_THREADS} (this machine has {} CPUs)",
+            default_threads()
+        )));
+    }
+    Ok(n)
 }
+
+/// The most compute threads a run takes (each needs a stack; far more than any CPU here).
+const MAX_THREADS: usize = 1024;
 
 /// Open the checkpoint. Routed-expert scales are validated here only when the experts are
 /// resident; streamed experts are validated as they are read (real K3: 85 GB of scales).
@@ -1421,11 +1432,18 @@ pub fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    // Where each flag was given on the command line (a default value is not "given": a run
+    // config's `trunk_ring` must win over `--trunk-ring`'s default).
+    let given = |id: &str| {
+        (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+            .then(|| matches.index_of(id))
+            .flatten()
+    };
     cli.run.order = FlagOrder {
-        trunk_ring: matches.index_of("trunk_ring"),
-        preset: matches.index_of("preset"),
-        trunk_gb: matches.index_of("trunk_gb"),
-        cache_gb: matches.index_of("cache_gb"),
+        trunk_ring: given("trunk_ring"),
+        preset: given("preset"),
+        trunk_gb: given("trunk_gb"),
+        cache_gb: given("cache_gb"),
     };
     // K3_ISA naming an unknown or unavailable path is a usage error, not a silent fallback.
     if let Err(e) = k3_kernels::isa::env_override() {

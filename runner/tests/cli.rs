@@ -158,6 +158,11 @@ fn usage_errors_exit_2_with_a_message() {
     // an unknown flag
     let o = k3(&[a, "--ids", "1", "--no-such-flag"]);
     expect_fail(&o, 2, &["--no-such-flag"]);
+    // thread counts outside 1..=1024 (40000 used to abort spawning the pool)
+    for n in ["0", "40000"] {
+        let o = k3(&[a, "--ids", "1", "--threads", n, "--out", out]);
+        expect_fail(&o, 2, &["--threads", n, "1..=1024"]);
+    }
     assert!(!Path::new(out).exists(), "no --out written by a failed run");
 }
 
@@ -866,4 +871,52 @@ fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
         "{}",
         stdout(&o)
     );
+}
+
+/// A run config's `trunk_ring` is used when `--trunk-ring` is not on the command line (the
+/// flag's default must not hide it), and the flag wins when it is.
+#[test]
+fn a_run_configs_trunk_ring_is_used_unless_the_flag_is_given() {
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let trunk = tmp.path().join("trunk");
+    let o = k3(&["pack-trunk", a, trunk.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let largest = *layer_slots(&trunk_json(&trunk)).iter().max().unwrap();
+    let gb = format!("{:.9}", (4 * largest) as f64 / 1e9);
+    let configs = repo().join("configs");
+    let rc = tmp.path().join("ring3.toml");
+    std::fs::write(
+        &rc,
+        format!(
+            "schema_version = 1\nname = \"ring3\"\nmanifest = \"{}\"\nio = \"{}\"\ntrunk_ring = 3\n",
+            configs.join("models/kimi-k3.toml").display(),
+            configs.join("io/direct.toml").display()
+        ),
+    )
+    .unwrap();
+    let t = trunk.to_str().unwrap();
+    let r = rc.to_str().unwrap();
+    let base = [
+        a,
+        "--ids",
+        "11,22",
+        "--gen",
+        "1",
+        "--trunk",
+        t,
+        "--trunk-gb",
+        &gb,
+    ];
+    for (extra, want) in [
+        (&["--config", r][..], ", ring 3 x"),
+        (&["--config", r, "--trunk-ring", "2"][..], ", ring 2 x"),
+        (&[][..], ", ring 2 x"),
+    ] {
+        let out = tmp.path().join("o.json");
+        let o = k3(&[&base[..], extra, &["--out", out.to_str().unwrap()]].concat());
+        assert_eq!(code(&o), 0, "{extra:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{extra:?}: {}", stderr(&o));
+    }
 }

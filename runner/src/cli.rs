@@ -720,6 +720,12 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.chat.chat || a.chat.serve.is_some() {
         return chat_main(a);
     }
+    if a.chat.no_think || a.chat.thinking_effort.is_some() {
+        return Err(Failure::usage(
+            "--no-think and --thinking-effort shape a chat prompt: use them with --chat or \
+             --serve (docs/CHAT.md)",
+        ));
+    }
     if a.batch_ids.is_some() {
         return batch_main(a);
     }

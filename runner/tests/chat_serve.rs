@@ -437,6 +437,14 @@ fn serve_batch_flags_are_checked() {
             &["--serve-batch", "2", "--batch-window", "20000"][..],
             "--batch-window",
         ),
+        // --chat flags the server would ignore: each request carries its own.
+        (&["--system", "Be brief."][..], "--system is a --chat flag"),
+        (
+            &["--temperature", "1.5"][..],
+            "--temperature is a --chat flag",
+        ),
+        (&["--seed", "3"][..], "--seed is a --chat flag"),
+        (&["--history", "h.jsonl"][..], "--history is a --chat flag"),
     ] {
         let o = Command::new(bin())
             .arg(&model)
@@ -455,4 +463,16 @@ fn serve_batch_flags_are_checked() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
+    // The thinking flags shape a chat prompt: a plain run refuses them.
+    for flag in [&["--no-think"][..], &["--thinking-effort", "low"][..]] {
+        let o = Command::new(bin())
+            .arg(&model)
+            .args(["--ids", "1", "--gen", "1"])
+            .args(flag)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{flag:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("--chat or --serve"), "{flag:?}: {err}");
+    }
 }

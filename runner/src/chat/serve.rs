@@ -104,6 +104,22 @@ pub fn serve_batch(run: &RunArgs) -> Result<usize, Failure> {
 
 /// Check the flags and the tokenizer before the model is loaded.
 pub fn preflight(run: &RunArgs) -> Result<(), Failure> {
+    let c = &run.chat;
+    for (given, flag) in [
+        (c.system.is_some(), "--system"),
+        (c.history.is_some(), "--history"),
+        (c.temperature.is_some(), "--temperature"),
+        (c.top_p.is_some(), "--top-p"),
+        (c.seed.is_some(), "--seed"),
+        (c.greedy, "--greedy"),
+    ] {
+        if given {
+            return Err(Failure::usage(format!(
+                "{flag} is a --chat flag: with --serve every request carries its own messages \
+                 (a system message included) and sampling fields (docs/CHAT.md)"
+            )));
+        }
+    }
     prepare(run).map(|_| ())
 }
 

@@ -3,13 +3,14 @@
 //!
 //! A plain `harness = false` main. The input is the first 256 MiB of `K3_BENCH_TRUNK` (a raw
 //! packed `trunk.bin`, e.g. k3-mini's) or, without it, 256 MiB of bf16 values drawn from a
-//! normal distribution (sigma 0.02, like trained weights). It is cut into 2 MiB chunks and
+//! normal distribution (sigma 0.02, like trained weights). It is cut into `CHUNK_BYTES` chunks and
 //! encoded once. Then, for every ISA path this CPU has (`k3_kernels::isa::set_active`, as
 //! `K3_ISA` does in the engine), the median of `K3_BENCH_REPS` (default 7) repetitions of:
 //!
-//! * ring: every record copied into its own 2 MiB buffer (untimed), then all decoded in place
+//! * ring: every record copied into its own chunk buffer (untimed), then all decoded in place
 //!   (timed): 256 MiB far from the caches, as the reader threads meet records fresh from disk;
-//! * in cache: one record copied into one buffer and decoded, 64 times, minus the copies alone.
+//! * in cache: one record copied into one buffer and decoded, 64 times, minus the copies alone
+//!   (a 512 KiB chunk: in L2 on the machines here).
 //!
 //! Figures are GB/s of decoded (raw) bytes on one thread; every decoded chunk is checked
 //! against the input, so a path that writes other bytes stops the bench.

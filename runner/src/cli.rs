@@ -80,7 +80,7 @@ pub struct PackCli {
     /// "Compressed trunk").
     #[arg(long)]
     pub compress: bool,
-    /// With --compress: raw KiB per record (a multiple of 4; default 2048). Smaller chunks
+    /// With --compress: raw KiB per record (a multiple of 4; default 512). Smaller chunks
     /// only cost a little more index; for testing several records per layer on small models.
     #[arg(long, value_name = "KIB", requires = "compress")]
     pub chunk_kib: Option<u64>,

@@ -28,12 +28,24 @@ use crate::spec::{
     TensorRole,
 };
 
+/// `std::fs::read_to_string` of a regular file only: a FIFO or a device named as a config
+/// is an error, not a read that blocks or never ends.
+pub fn read_regular_file(p: &Path) -> std::io::Result<String> {
+    if !std::fs::metadata(p)?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    std::fs::read_to_string(p)
+}
+
 /// Load a model description: the manifest TOML and the checkpoint's config.json.
 pub fn load_spec(manifest_path: &Path, config_json_path: &Path) -> Result<ModelSpec, SpecErrors> {
     let mfile = manifest_path.display().to_string();
     let cfile = config_json_path.display().to_string();
     let read = |p: &Path, f: &str| {
-        std::fs::read_to_string(p).map_err(|e| {
+        read_regular_file(p).map_err(|e| {
             SpecError::new(
                 ErrorKind::Io,
                 Place::File {

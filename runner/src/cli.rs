@@ -318,7 +318,7 @@ pub fn load_spec(
     let spec = match manifest {
         Some(m) => k3_models::load_spec(m, &config),
         None => {
-            let text = std::fs::read_to_string(&config).map_err(|e| {
+            let text = k3_models::load::read_regular_file(&config).map_err(|e| {
                 Failure::usage(format!(
                     "cannot read model config {}: {e}",
                     config.display()

@@ -173,13 +173,25 @@ pub fn load(
     spec: &ModelSpec,
     weights_fingerprint: Option<&str>,
 ) -> Result<(SeqState, Vec<u32>), StateFileError> {
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut bytes))
-        .map_err(|source| StateFileError::Io {
+    let io = |source| StateFileError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    // A regular file, its magic checked before the rest is read (`/dev/zero` or a FIFO would
+    // otherwise be read until memory runs out).
+    if !f.metadata().map_err(io)?.is_file() {
+        return Err(StateFileError::Invalid {
             path: path.display().to_string(),
-            source,
-        })?;
+            msg: "not a regular file".into(),
+        });
+    }
+    let mut bytes = vec![0u8; MAGIC.len()];
+    let n = f.read(&mut bytes).map_err(io)?;
+    bytes.truncate(n);
+    if n == MAGIC.len() && bytes == MAGIC {
+        f.read_to_end(&mut bytes).map_err(io)?;
+    }
     let mut r = Reader {
         b: &bytes,
         at: 0,
@@ -197,11 +209,14 @@ pub fn load(
     let h: Header = serde_json::from_slice(hb).map_err(|e| r.bad(format!("header: {e}")))?;
     if h.spec_fingerprint != spec_fingerprint(spec) || h.n_layers != spec.n_layers {
         return Err(r.bad(format!(
-            "saved for a different model ({} with fingerprint {}); this model is {} ({})",
+            "saved for a different model ({} with fingerprint {}, {} layers); this model is {} \
+             ({}, {} layers)",
             h.model,
             h.spec_fingerprint,
+            h.n_layers,
             spec.name,
-            spec_fingerprint(spec)
+            spec_fingerprint(spec),
+            spec.n_layers
         )));
     }
     if let (Some(saved), Some(here)) = (h.weights_fingerprint.as_deref(), weights_fingerprint)

@@ -192,6 +192,14 @@ fn missing_model_dir_is_a_clear_error() {
     let o = k3(&["plan", m]);
     assert_ne!(code(&o), 0);
     assert!(stderr(&o).contains(m));
+    // A config.json that is a FIFO: refused, not read forever (the run used to block).
+    let fifo_model = tmp.path().join("fifo-model");
+    std::fs::create_dir_all(&fifo_model).unwrap();
+    let cfg = fifo_model.join("config.json");
+    let made = Command::new("mkfifo").arg(&cfg).status().unwrap();
+    assert!(made.success(), "mkfifo");
+    let o = k3(&[fifo_model.to_str().unwrap(), "--ids", "1", "--gen", "1"]);
+    expect_fail(&o, 2, &["config.json", "not a regular file"]);
 }
 
 /// A copy of fixture A's config.json without `pointer`'s last key, written to DIR/config.json.

@@ -126,6 +126,16 @@ fn resumed_state_equals_whole_prompt() {
         .expect("run");
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("truncated"));
+    // a device or FIFO is refused before anything is read (/dev/zero used to be read until
+    // memory ran out)
+    let o = bin()
+        .args([a, "--ids", "1", "--gen", "1", "--load-state", "/dev/zero"])
+        .arg("--out")
+        .arg(dir.join("z.json"))
+        .output()
+        .expect("run");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a regular file"));
     // --save-state needs --gen 0
     let o = bin()
         .args([a, "--ids", "1", "--gen", "2", "--save-state", state_s])

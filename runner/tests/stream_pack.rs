@@ -233,6 +233,18 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         e.to_string().contains(&format!("layer 1, chunk {last}")),
         "{e}"
     );
+    // A tensor offset at the end of the u64 range: refused by name (it wrapped and panicked
+    // on the slice before).
+    let mut v: serde_json::Value = serde_json::from_str(&json).expect("parse");
+    let name = v["layers"][2]["tensors"][1]["name"].clone();
+    v["layers"][2]["tensors"][1]["offset"] = serde_json::json!(u64::MAX - 1);
+    std::fs::write(bad.join(TRUNK_JSON), v.to_string()).expect("write");
+    let e = TrunkManifest::load(&bad, &spec).expect_err("a tensor past its layer refused");
+    let name = name.as_str().expect("tensor name");
+    assert!(
+        e.to_string().contains("layer 2") && e.to_string().contains(name),
+        "{e}"
+    );
 
     // A damaged record: layer 1's first coded record.
     let pl = m.layers[1].clone();

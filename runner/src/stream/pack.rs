@@ -768,14 +768,15 @@ impl TrunkManifest {
                         d.n_bytes()
                     ));
                 }
-                if t.offset < tend || t.offset + t.size > pl.size {
+                let end = t.offset.checked_add(t.size).filter(|&e| e <= pl.size);
+                let Some(end) = end.filter(|_| t.offset >= tend) else {
                     return Err(format!(
                         "layer {i}: tensor {} at {}..+{} overlaps another tensor or leaves the \
                          layer ({} bytes)",
                         t.name, t.offset, t.size, pl.size
                     ));
-                }
-                tend = t.offset + t.size;
+                };
+                tend = end;
             }
         }
         Ok(())

@@ -46,6 +46,27 @@ pub enum ExecError {
     BadToken { token: u32, vocab: usize },
     #[error("context full: position {pos} exceeds the planned maximum of {max} positions")]
     ContextFull { pos: usize, max: usize },
+    #[error(
+        "the logits after position {pos} are not finite (logit {index} is {value}): the \
+         weights or the loaded state hold NaN or infinite values, so no id can be chosen"
+    )]
+    NonFinite {
+        pos: usize,
+        index: usize,
+        value: f32,
+    },
+}
+
+/// [`ExecError::NonFinite`] for the first NaN or infinite logit, if any.
+pub fn check_finite(logits: &[f32], pos: usize) -> Result<(), ExecError> {
+    match logits.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(ExecError::NonFinite {
+            pos,
+            index,
+            value: logits[index],
+        }),
+    }
 }
 
 /// Where the weights come from: the three providers the executor talks to.

@@ -138,7 +138,10 @@ pub fn generate_with(
     for i in 0..req.n_gen {
         let (next, guessed) = match queue.pop_front() {
             Some(d) => (d, true),
-            None => (choose(&logits), false),
+            None => {
+                crate::exec::check_finite(&logits, state.n_pos)?;
+                (choose(&logits), false)
+            }
         };
         res.generated_ids.push(next);
         let now = t0.elapsed().as_secs_f64();
@@ -308,6 +311,7 @@ pub fn generate_batch(
         let mut chosen = Vec::with_capacity(active.len());
         let mut next_active = Vec::with_capacity(active.len());
         for &b in &active {
+            crate::exec::check_finite(&logits[b], states[b].n_pos)?;
             let next = ops::argmax(&logits[b]) as u32;
             res.sequences[b].generated_ids.push(next);
             chosen.push((b, next));

@@ -19,7 +19,8 @@ fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-/// Overwrite tensor `name`'s bytes in its shard with 0xFF (the E8M0 NaN for scales).
+/// Overwrite tensor `name`'s bytes in its shard with 0xFF (the E8M0 NaN for scales; a bf16
+/// NaN too).
 fn damage(model: &Path, name: &str) {
     let index: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(model.join("model.safetensors.index.json")).expect("index"),
@@ -155,4 +156,43 @@ fn an_expert_that_fails_to_load_stops_the_run_with_a_report_and_exit_4() {
         "the damaged experts should cover every case: unused {unused}, prompt {in_prompt}, \
          decoding {while_decoding}"
     );
+}
+
+/// A NaN in a trunk weight (the final norm: every logit becomes NaN) is not turned into id 0
+/// by the argmax: the run stops with an error naming the position, exit 1; the same with
+/// `--batch-ids`.
+#[test]
+fn non_finite_logits_stop_the_run_instead_of_choosing_id_0() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("non_finite");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/tiny.toml");
+    let model = dir.join("m");
+    let o = k3(&[
+        "synth",
+        "--spec",
+        s(&spec),
+        "--seed",
+        "1",
+        "--out",
+        s(&model),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("o.json");
+    let clean = k3(&[s(&model), "--ids", "1,2", "--gen", "2", "--out", s(&out)]);
+    assert_eq!(clean.status.code(), Some(0));
+    damage(&model, "language_model.model.norm.weight");
+    for extra in [&["--ids", "1,2"][..], &["--batch-ids", "1,2;3"][..]] {
+        let o = k3(&[
+            &[s(&model), "--gen", "2", "--incremental", "--out", s(&out)][..],
+            extra,
+        ]
+        .concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(
+            err.contains("not finite") && err.contains("after position 2"),
+            "{extra:?}: {err}"
+        );
+    }
 }

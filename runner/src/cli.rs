@@ -761,8 +761,13 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     let (settings, notes) = memory_settings(a)?;
     let spec = run_spec(a, model_dir)?;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
+        let from = if a.ids.is_some() {
+            "--ids"
+        } else {
+            "the tokenized prompt (--tok's tokenizer does not fit this model)"
+        };
         return Err(Failure::usage(format!(
-            "--ids: token {bad} is outside the vocabulary (size {})",
+            "{from}: token {bad} is outside the vocabulary (size {})",
             spec.vocab_size
         )));
     }

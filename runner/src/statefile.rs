@@ -227,6 +227,12 @@ pub fn load(
              checkpoint {here}): save it again from this checkpoint"
         )));
     }
+    if let Some(bad) = h.ids.iter().find(|&&t| t as usize >= spec.vocab_size) {
+        return Err(r.bad(format!(
+            "header id {bad} is outside the model's vocabulary (size {})",
+            spec.vocab_size
+        )));
+    }
     if h.ids.len() != h.n_pos {
         return Err(r.bad("header ids and n_pos disagree"));
     }

@@ -146,6 +146,21 @@ fn usage_errors_exit_2_with_a_message() {
     // two prompt sources
     let o = k3(&[a, "--ids", "1,2", "--prompt", "hi", "--out", out]);
     expect_fail(&o, 2, &["exactly one of --ids, --prompt, --prompt-file"]);
+    // a prompt whose tokenizer does not fit the model: the message names the prompt, not --ids
+    let tok = repo().join("fixtures/text/vocab");
+    let o = k3(&[
+        a,
+        "--prompt",
+        "hello world",
+        "--tok",
+        tok.to_str().unwrap(),
+        "--gen",
+        "1",
+        "--out",
+        out,
+    ]);
+    let err = expect_fail(&o, 2, &["tokenized prompt", "outside the vocabulary"]);
+    assert!(!err.contains("--ids"), "{err}");
     // token id == vocab (256 for fixture A)
     let o = k3(&[a, "--ids", "1,256", "--gen", "1", "--out", out]);
     expect_fail(&o, 2, &["256", "vocabulary"]);

@@ -126,6 +126,27 @@ fn resumed_state_equals_whole_prompt() {
         .expect("run");
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("truncated"));
+    // a header id outside the vocabulary (256 for fixture A) is refused
+    let hl = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&bytes[16..16 + hl]).expect("header");
+    h["ids"][0] = serde_json::json!(999);
+    let hj = serde_json::to_vec(&h).expect("json");
+    let mut forged = bytes[..12].to_vec();
+    forged.extend_from_slice(&(hj.len() as u32).to_le_bytes());
+    forged.extend_from_slice(&hj);
+    forged.extend_from_slice(&bytes[16 + hl..]);
+    let bad_ids = dir.join("ids.state");
+    std::fs::write(&bad_ids, forged).expect("write");
+    let o = bin()
+        .args([a, "--ids", "1", "--gen", "1", "--load-state"])
+        .arg(&bad_ids)
+        .arg("--out")
+        .arg(dir.join("i.json"))
+        .output()
+        .expect("run");
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
     // a device or FIFO is refused before anything is read (/dev/zero used to be read until
     // memory ran out)
     let o = bin()

@@ -5,19 +5,10 @@
 //! the request never routes to changes nothing; one routed in the prompt stops before the
 //! first id; one first routed while decoding stops after a prefix of the clean run's ids.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
-fn k3(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_k3-run"))
-        .args(args)
-        .output()
-        .expect("run k3-run")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+mod bin_support;
+use bin_support::{fresh_dir, k3, s, synth_tiny};
 
 /// Overwrite tensor `name`'s bytes in its shard with 0xFF (the E8M0 NaN for scales; a bf16
 /// NaN too).
@@ -54,21 +45,9 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn an_expert_that_fails_to_load_stops_the_run_with_a_report_and_exit_4() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("expert_failure");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/tiny.toml");
+    let dir = fresh_dir("expert_failure");
     let clean = dir.join("clean");
-    let o = k3(&[
-        "synth",
-        "--spec",
-        s(&spec),
-        "--seed",
-        "1",
-        "--out",
-        s(&clean),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    synth_tiny(&clean, 1);
     let out = dir.join("run.json");
     // (exit code, stdout + stderr, --out JSON or null)
     let run = |model: &Path| -> (Option<i32>, String, serde_json::Value) {
@@ -163,21 +142,9 @@ fn an_expert_that_fails_to_load_stops_the_run_with_a_report_and_exit_4() {
 /// `--batch-ids`.
 #[test]
 fn non_finite_logits_stop_the_run_instead_of_choosing_id_0() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("non_finite");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/tiny.toml");
+    let dir = fresh_dir("non_finite");
     let model = dir.join("m");
-    let o = k3(&[
-        "synth",
-        "--spec",
-        s(&spec),
-        "--seed",
-        "1",
-        "--out",
-        s(&model),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    synth_tiny(&model, 1);
     let out = dir.join("o.json");
     let clean = k3(&[s(&model), "--ids", "1,2", "--gen", "2", "--out", s(&out)]);
     assert_eq!(clean.status.code(), Some(0));

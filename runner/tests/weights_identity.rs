@@ -4,19 +4,10 @@
 //! naming both fingerprints; each with its own checkpoint runs and matches the resident run; a
 //! trunk.json of an older pack (no fingerprint) is still accepted, and the start-up says so.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
-fn k3(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_k3-run"))
-        .args(args)
-        .output()
-        .expect("run k3-run")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+mod bin_support;
+use bin_support::{fresh_dir, k3, s, synth_tiny};
 
 fn ok(args: &[&str]) -> String {
     let o = k3(args);
@@ -48,14 +39,10 @@ fn refused(args: &[&str], what: &str) -> String {
 
 #[test]
 fn trunks_and_states_are_not_mixed_between_checkpoints_of_one_shape() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("weights_identity");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/tiny.toml");
+    let dir = fresh_dir("weights_identity");
     let (t1, t2) = (dir.join("t1"), dir.join("t2"));
-    for (seed, t) in [("1", &t1), ("2", &t2)] {
-        ok(&["synth", "--spec", s(&spec), "--seed", seed, "--out", s(t)]);
-    }
+    synth_tiny(&t1, 1);
+    synth_tiny(&t2, 2);
     let (raw, z) = (dir.join("trunk1"), dir.join("trunk1z"));
     ok(&["pack-trunk", s(&t1), s(&raw)]);
     ok(&[

@@ -17,3 +17,27 @@ pub fn k3(args: &[&str]) -> Output {
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("test paths are UTF-8")
 }
+
+/// An empty directory `name` under the test target's scratch space.
+pub fn fresh_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    dir
+}
+
+/// Write the synthetic tiny checkpoint (`configs/synth/tiny.toml`) of `seed` to `out`.
+pub fn synth_tiny(out: &Path, seed: u64) {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/tiny.toml");
+    let seed = seed.to_string();
+    let o = k3(&[
+        "synth",
+        "--spec",
+        s(&spec),
+        "--seed",
+        &seed,
+        "--out",
+        s(out),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

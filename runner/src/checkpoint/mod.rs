@@ -533,42 +533,70 @@ impl Checkpoint {
         self.table.get(name).map(|e| (e.dtype, &*e.shape))
     }
 
-    /// A cheap identity of the checkpoint's weights: FNV-1a 64 over every non-expert tensor
-    /// of `spec` (trunk layers and globals, in spec order): its name, length, then its first
-    /// and last 64 bytes. Two checkpoints of the same shape with other weights differ here
-    /// (unless they agree at every sampled byte), so a saved state made with one is not
-    /// silently used with the other. Reads ~2 pages per tensor; routed experts are not read.
-    /// `None` when a sampled tensor is absent (a partial shard set).
+    /// A cheap identity of the checkpoint's weights: FNV-1a 64 of every trunk layer's
+    /// [`Checkpoint::layer_fingerprint`] and the same over the global tensors. Two checkpoints
+    /// of the same shape with other weights differ here (unless they agree at every sampled
+    /// byte), so a saved state made with one is not silently used with the other. `None` when
+    /// a tensor is absent (a partial shard set) or a sample cannot be read.
     pub fn weights_fingerprint(&self, spec: &ModelSpec) -> Option<String> {
-        self.fingerprint(spec.tensors.iter().filter(|t| t.expert.is_none()))
-    }
-
-    /// [`Checkpoint::weights_fingerprint`] of one layer's trunk tensors (what a packed trunk
-    /// holds of that layer).
-    pub fn layer_fingerprint(&self, spec: &ModelSpec, layer: usize) -> Option<String> {
-        self.fingerprint(
-            spec.tensors
-                .iter()
-                .filter(|t| t.expert.is_none() && t.layer == Some(layer)),
-        )
-    }
-
-    fn fingerprint<'a>(&self, tensors: impl Iterator<Item = &'a TensorDecl>) -> Option<String> {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |b: &[u8]| {
-            for &x in b {
-                h ^= u64::from(x);
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        };
-        for t in tensors {
-            eat(t.name.as_bytes());
-            let b = self.try_bytes(&t.name)?;
-            eat(&(b.len() as u64).to_le_bytes());
-            eat(&b[..b.len().min(64)]);
-            eat(&b[b.len().saturating_sub(64)..]);
+        let mut files = SampleFiles::default();
+        let mut h = Fnv::new();
+        for l in 0..spec.n_layers {
+            h.eat(self.layer_fingerprint_with(&mut files, spec, l)?.as_bytes());
         }
-        Some(format!("{h:016x}"))
+        let globals = spec
+            .tensors
+            .iter()
+            .filter(|t| t.expert.is_none() && t.layer.is_none());
+        h.eat(self.fingerprint(&mut files, globals)?.as_bytes());
+        Some(h.hex())
+    }
+
+    /// A cheap identity of one layer's trunk tensors (what a packed trunk holds of that
+    /// layer): FNV-1a 64 of every tensor's name and length, then 64 bytes from the middle of
+    /// the largest. One small positional read per layer with read-ahead off: sampling through
+    /// the mmap would fault in whole read-ahead windows (8 MiB each on the development VM:
+    /// seconds at start-up). `None` when a tensor is absent or the sample cannot be read.
+    pub fn layer_fingerprint(&self, spec: &ModelSpec, layer: usize) -> Option<String> {
+        self.layer_fingerprint_with(&mut SampleFiles::default(), spec, layer)
+    }
+
+    fn layer_fingerprint_with(
+        &self,
+        files: &mut SampleFiles,
+        spec: &ModelSpec,
+        layer: usize,
+    ) -> Option<String> {
+        let tensors = spec
+            .tensors
+            .iter()
+            .filter(|t| t.expert.is_none() && t.layer == Some(layer));
+        self.fingerprint(files, tensors)
+    }
+
+    fn fingerprint<'a>(
+        &self,
+        files: &mut SampleFiles,
+        tensors: impl Iterator<Item = &'a TensorDecl>,
+    ) -> Option<String> {
+        let mut h = Fnv::new();
+        let mut largest: Option<(u64, u64, usize)> = None; // (length, file offset, shard)
+        for t in tensors {
+            let e = self.table.get(&t.name)?;
+            let len = e.end - e.begin;
+            h.eat(t.name.as_bytes());
+            h.eat(&len.to_le_bytes());
+            if largest.is_none_or(|(l, _, _)| len > l) {
+                largest = Some((len, self.shards[e.shard].data_start + e.begin, e.shard));
+            }
+        }
+        if let Some((len, at, shard)) = largest {
+            let n = len.min(64);
+            let at = at + (len - n) / 2;
+            let sample = files.read(&self.shards[shard].path, shard, at, n as usize)?;
+            h.eat(&sample);
+        }
+        Some(h.hex())
     }
 
     /// The raw bytes of a tensor by name, `None` if the checkpoint does not hold it.
@@ -740,4 +768,44 @@ fn cross_check_index(
         });
     }
     Ok(())
+}
+
+/// FNV-1a 64 (the weights fingerprints; not a checksum against tampering).
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn eat(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// Shards opened for fingerprint samples, with read-ahead off (`POSIX_FADV_RANDOM`).
+#[derive(Default)]
+struct SampleFiles(std::collections::HashMap<usize, std::fs::File>);
+
+impl SampleFiles {
+    fn read(&mut self, path: &Path, shard: usize, at: u64, n: usize) -> Option<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        use std::os::unix::io::AsRawFd;
+        if !self.0.contains_key(&shard) {
+            let f = std::fs::File::open(path).ok()?;
+            // SAFETY: a valid open descriptor; advice only changes read-ahead.
+            unsafe {
+                libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+            }
+            self.0.insert(shard, f);
+        }
+        let mut buf = vec![0u8; n];
+        self.0.get(&shard)?.read_exact_at(&mut buf, at).ok()?;
+        Some(buf)
+    }
 }

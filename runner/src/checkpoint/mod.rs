@@ -794,18 +794,22 @@ struct SampleFiles(std::collections::HashMap<usize, std::fs::File>);
 
 impl SampleFiles {
     fn read(&mut self, path: &Path, shard: usize, at: u64, n: usize) -> Option<Vec<u8>> {
+        use std::collections::hash_map::Entry;
         use std::os::unix::fs::FileExt;
         use std::os::unix::io::AsRawFd;
-        if !self.0.contains_key(&shard) {
-            let f = std::fs::File::open(path).ok()?;
-            // SAFETY: a valid open descriptor; advice only changes read-ahead.
-            unsafe {
-                libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+        let f = match self.0.entry(shard) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => {
+                let f = std::fs::File::open(path).ok()?;
+                // SAFETY: a valid open descriptor; advice only changes read-ahead.
+                unsafe {
+                    libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+                }
+                v.insert(f)
             }
-            self.0.insert(shard, f);
-        }
+        };
         let mut buf = vec![0u8; n];
-        self.0.get(&shard)?.read_exact_at(&mut buf, at).ok()?;
+        f.read_exact_at(&mut buf, at).ok()?;
         Some(buf)
     }
 }

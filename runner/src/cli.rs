@@ -519,6 +519,21 @@ pub fn memory_settings(
         },
         expert_prefetch_auto: m.expert_prefetch.is_none(),
     };
+    // Flags that would be silently ignored by these settings are refused.
+    if settings.trunk_dir.is_none() && (m.trunk_gb.is_some() || a.order.trunk_ring.is_some()) {
+        return Err(Failure::usage(
+            "--trunk-gb and --trunk-ring size a packed trunk's memory: add --trunk DIR (from \
+             `k3-run pack-trunk`); without it the trunk is resident",
+        ));
+    }
+    if settings.cache_budget_bytes.is_none()
+        && (m.eviction_plugin.is_some() || m.expert_prefetch.is_some())
+    {
+        return Err(Failure::usage(
+            "--eviction-plugin and --expert-prefetch act on the expert cache: add --cache-gb \
+             (or a --preset); without it the routed experts are resident",
+        ));
+    }
     Ok((settings, notes))
 }
 

@@ -173,6 +173,16 @@ fn usage_errors_exit_2_with_a_message() {
     // an unknown flag
     let o = k3(&[a, "--ids", "1", "--no-such-flag"]);
     expect_fail(&o, 2, &["--no-such-flag"]);
+    // flags the settings would ignore: trunk sizes without --trunk, cache policies without a
+    // cache (both ran with exit 0 before)
+    for (flags, needle) in [
+        (&["--trunk-gb", "1"][..], "add --trunk DIR"),
+        (&["--trunk-ring", "3"][..], "add --trunk DIR"),
+        (&["--expert-prefetch", "true"][..], "add --cache-gb"),
+    ] {
+        let o = k3(&[&[a, "--ids", "1", "--out", out][..], flags].concat());
+        expect_fail(&o, 2, &[needle]);
+    }
     // thread counts outside 1..=1024 (40000 used to abort spawning the pool)
     for n in ["0", "40000"] {
         let o = k3(&[a, "--ids", "1", "--threads", n, "--out", out]);

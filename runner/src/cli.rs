@@ -498,14 +498,18 @@ pub fn memory_settings(
             None
         },
         cache_budget_bytes: to_bytes(cache_gb, "--cache-gb")?,
-        ring_slots: if a.order.trunk_ring.is_some() {
-            m.trunk_ring
-        } else {
-            rc.as_ref()
-                .and_then(|r| r.trunk_ring)
-                .unwrap_or(m.trunk_ring)
-        }
-        .max(1),
+        ring_slots: match (a.order.trunk_ring, rc.as_ref().and_then(|r| r.trunk_ring)) {
+            (None, Some(0)) => {
+                return Err(Failure::usage(
+                    "the run config's trunk_ring is 0: it must be at least 1",
+                ));
+            }
+            (None, Some(n)) => n,
+            _ if m.trunk_ring == 0 => {
+                return Err(Failure::usage("--trunk-ring 0: it must be at least 1"));
+            }
+            _ => m.trunk_ring,
+        },
         ultra_low_memory: m.ultra_low_memory
             || preset
                 .as_ref()

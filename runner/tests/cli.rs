@@ -179,6 +179,11 @@ fn usage_errors_exit_2_with_a_message() {
         (&["--trunk-gb", "1"][..], "add --trunk DIR"),
         (&["--trunk-ring", "3"][..], "add --trunk DIR"),
         (&["--expert-prefetch", "true"][..], "add --cache-gb"),
+        // no ring slot at all (it silently became 1)
+        (
+            &["--trunk", "/nonexistent", "--trunk-ring", "0"][..],
+            "at least 1",
+        ),
     ] {
         let o = k3(&[&[a, "--ids", "1", "--out", out][..], flags].concat());
         expect_fail(&o, 2, &[needle]);

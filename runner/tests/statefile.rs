@@ -84,48 +84,37 @@ fn resumed_state_equals_whole_prompt() {
         );
         assert_eq!(resumed["resumed_positions"], 5);
     }
+    // Loading `state` into `model` is refused with exit 2 and a message holding `needles`.
+    let refused = |model: &str, state: &Path, needles: &[&str]| {
+        let o = bin()
+            .args([model, "--ids", "1", "--gen", "1", "--load-state"])
+            .arg(state)
+            .arg("--out")
+            .arg(dir.join("refused.json"))
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        for n in needles {
+            assert!(
+                err.contains(n),
+                "{} should mention {n:?}: {err}",
+                state.display()
+            );
+        }
+    };
     // a state from another model is refused, naming the file
     let b = fixture("B");
-    let o = bin()
-        .args([
-            b.to_str().expect("utf-8"),
-            "--ids",
-            "1",
-            "--gen",
-            "1",
-            "--load-state",
-            state_s,
-        ])
-        .arg("--out")
-        .arg(dir.join("b.json"))
-        .output()
-        .expect("run");
-    assert_eq!(o.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("different model") && err.contains("prefix.state"),
-        "{err}"
+    refused(
+        b.to_str().expect("utf-8"),
+        &state,
+        &["different model", "prefix.state"],
     );
     // a truncated file is refused
     let bytes = std::fs::read(&state).expect("read state");
     let cut = dir.join("cut.state");
     std::fs::write(&cut, &bytes[..bytes.len() - 7]).expect("write");
-    let o = bin()
-        .args([
-            a,
-            "--ids",
-            "1",
-            "--gen",
-            "1",
-            "--load-state",
-            cut.to_str().expect("utf-8"),
-        ])
-        .arg("--out")
-        .arg(dir.join("c.json"))
-        .output()
-        .expect("run");
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("truncated"));
+    refused(a, &cut, &["truncated"]);
     // a header id outside the vocabulary (256 for fixture A) is refused
     let hl = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
     let mut h: serde_json::Value = serde_json::from_slice(&bytes[16..16 + hl]).expect("header");
@@ -137,26 +126,10 @@ fn resumed_state_equals_whole_prompt() {
     forged.extend_from_slice(&bytes[16 + hl..]);
     let bad_ids = dir.join("ids.state");
     std::fs::write(&bad_ids, forged).expect("write");
-    let o = bin()
-        .args([a, "--ids", "1", "--gen", "1", "--load-state"])
-        .arg(&bad_ids)
-        .arg("--out")
-        .arg(dir.join("i.json"))
-        .output()
-        .expect("run");
-    assert_eq!(o.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("999") && err.contains("vocabulary"), "{err}");
+    refused(a, &bad_ids, &["999", "vocabulary"]);
     // a device or FIFO is refused before anything is read (/dev/zero used to be read until
     // memory ran out)
-    let o = bin()
-        .args([a, "--ids", "1", "--gen", "1", "--load-state", "/dev/zero"])
-        .arg("--out")
-        .arg(dir.join("z.json"))
-        .output()
-        .expect("run");
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not a regular file"));
+    refused(a, Path::new("/dev/zero"), &["not a regular file"]);
     // --save-state needs --gen 0
     let o = bin()
         .args([a, "--ids", "1", "--gen", "2", "--save-state", state_s])

@@ -62,7 +62,7 @@ fn pty_session_history_ctrl_c_and_restart() {
     let pre = pty.expect(" total", T);
     let n0 = number_after(&pre, "(transcript) [prefill: reused 0 positions, fed ");
     assert!(n0 > 0);
-    pty.expect("> ", T);
+    pty.prompt(T);
 
     pty.send(b"hello\r");
     // Turn 1 reuses exactly what was prefilled at start.
@@ -77,26 +77,25 @@ fn pty_session_history_ctrl_c_and_restart() {
     );
 
     // Ctrl-C at the prompt clears the line, like a shell.
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"discard me");
     pty.expect("discard me", T);
-    pty.send(b"\x03");
     // (rustyline drops input it read ahead of the Ctrl-C: wait for the fresh prompt)
-    pty.expect("> ", T);
+    pty.ctrl_c_at_prompt(T);
     pty.send(b"/help\r");
     pty.expect("Commands:", T);
     pty.expect("/reset", T);
+    pty.prompt(T);
     pty.send(b"xyz");
     pty.expect("xyz", T);
-    pty.send(b"\x03");
-    pty.expect("> ", T);
+    pty.ctrl_c_at_prompt(T);
     pty.send(b"second\r");
     let turn2 = pty.expect(" tok/s); context ", T);
     assert!(turn2.contains("[prefill: reused "), "{turn2}");
 
     // Ctrl-C during a turn (here: the prefill of a long pasted message) stops it, discards it
     // and keeps the REPL.
-    pty.expect("> ", T);
+    pty.prompt(T);
     let long = "lorem ipsum ".repeat(560);
     let mut paste = b"\x1b[200~".to_vec();
     paste.extend_from_slice(long.as_bytes());
@@ -111,7 +110,7 @@ fn pty_session_history_ctrl_c_and_restart() {
         "[interrupted (Ctrl-C): this turn is discarded, nothing stored]",
         T,
     );
-    pty.expect("> ", T);
+    pty.prompt(T);
     // Ctrl-D on an empty line quits with exit code 0.
     pty.send(b"\x04");
     let st = pty.wait_exit(T);
@@ -171,12 +170,12 @@ fn pty_session_history_ctrl_c_and_restart() {
         want,
         "the restart prefill must be exactly render-chat's ids of the history"
     );
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"third\r");
     let pre = pty.expect(" total", T);
     assert_eq!(number_after(&pre, "[prefill: reused "), want, "{pre}");
     pty.expect(" tok/s); context ", T);
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"/exit\r");
     assert_eq!(pty.wait_exit(T).code(), Some(0));
     let msgs = history::load_jsonl(&hist).expect("history loads");
@@ -222,19 +221,19 @@ fn pty_reset_archives_the_history_and_starts_over() {
             OsStr::new("--incremental"),
         ],
     ));
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"one\r");
     pty.expect(" tok/s); context ", T);
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"/reset\r");
     pty.expect("[new conversation; the previous history is in ", T);
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"two\r");
     // After /reset nothing of the old state is reused.
     let pre = pty.expect(" total", T);
     assert_eq!(number_after(&pre, "[prefill: reused "), 0, "{pre}");
     pty.expect(" tok/s); context ", T);
-    pty.expect("> ", T);
+    pty.prompt(T);
     pty.send(b"/exit\r");
     assert_eq!(pty.wait_exit(T).code(), Some(0));
 

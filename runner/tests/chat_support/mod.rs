@@ -305,6 +305,23 @@ impl Pty {
         }
     }
 
+    /// Wait for a fresh line-editor prompt: rustyline turns bracketed paste on (`ESC[?2004h`)
+    /// when it enters raw mode, then draws `> `. Matching only `> ` can match a stale redraw,
+    /// or a prompt drawn after the terminal's own cooked-mode echo; input sent then can reach
+    /// the editor together with a Ctrl-C, which drops what it read ahead.
+    pub fn prompt(&mut self, timeout: Duration) {
+        self.expect("\x1b[?2004h", timeout);
+        self.expect("> ", timeout);
+    }
+
+    /// Ctrl-C at the prompt: wait until the editor gave the line up (bracketed paste off,
+    /// `ESC[?2004l`) and drew a fresh prompt.
+    pub fn ctrl_c_at_prompt(&mut self, timeout: Duration) {
+        self.send(b"\x03");
+        self.expect("\x1b[?2004l", timeout);
+        self.prompt(timeout);
+    }
+
     /// Keep reading the terminal for `d` (so the child never blocks on a full pty buffer).
     pub fn pump_for(&mut self, d: Duration) {
         let deadline = Instant::now() + d;

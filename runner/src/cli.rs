@@ -63,6 +63,12 @@ pub enum Command {
     SimCache(SimCli),
     /// Print exactly what the model will see for a transcript plus the generation prompt.
     RenderChat(crate::chat::RenderChatArgs),
+    /// Check a download: shard count, exact total bytes, every shard's size (headers only);
+    /// names the shards to fetch again.
+    Verify(crate::verify::VerifyArgs),
+    /// Classify every tensor (routed expert, shared expert, attention, embedding, other) and
+    /// print the resident floor.
+    Budget(crate::budget::BudgetArgs),
 }
 
 #[derive(Args, Debug)]
@@ -1501,6 +1507,8 @@ pub fn main() -> ExitCode {
         Some(Command::PackTrunk(p)) => pack_main(p),
         Some(Command::Doctor(d)) => crate::doctor::main(d),
         Some(Command::SimCache(p)) => sim_main(p),
+        Some(Command::Verify(v)) => crate::verify::main(v),
+        Some(Command::Budget(b)) => crate::budget::main(b),
         None => run_main(&cli.run),
     };
     match r {

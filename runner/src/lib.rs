@@ -4,9 +4,11 @@
 //! ones; [`plan`] compiles a spec into an execution plan; [`exec`] runs the forward pass over
 //! the [`weights`] providers ([`resident`], optionally over an [`arena`], or [`stream`]);
 //! [`run`] is the decode loop ([`speculate`]: several greedy tokens per trunk pass, the same
-//! tokens); [`cli`] is the `k3-run` command line.
+//! tokens); [`cli`] is the `k3-run` command line; [`verify`] checks a download and [`budget`]
+//! classifies its tensors for the resident floor.
 
 pub mod arena;
+pub mod budget;
 pub mod chat;
 pub mod checkpoint;
 pub mod cli;
@@ -21,4 +23,5 @@ pub mod speculate;
 pub mod statefile;
 pub mod stream;
 pub mod synth;
+pub mod verify;
 pub mod weights;

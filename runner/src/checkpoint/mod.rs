@@ -155,6 +155,14 @@ fn io_err(file: &Path, what: &'static str, source: std::io::Error) -> Checkpoint
 
 /// The index: tensor name -> shard file name.
 fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+    read_index_with_total(index).map(|(map, _)| map)
+}
+
+/// The index (tensor name -> shard file name) and its `metadata.total_size` if it states one
+/// (the sum of the tensor payloads, as the HF writers record it). Used by `k3-run verify`.
+pub fn read_index_with_total(
+    index: &Path,
+) -> Result<(BTreeMap<String, String>, Option<u64>), CheckpointError> {
     let bad = |msg: String| CheckpointError::IndexInvalid {
         file: index.to_path_buf(),
         msg,
@@ -182,7 +190,11 @@ fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError>
         }
         out.insert(name.clone(), file.to_string());
     }
-    Ok(out)
+    let total = v
+        .get("metadata")
+        .and_then(|m| m.get("total_size"))
+        .and_then(serde_json::Value::as_u64);
+    Ok((out, total))
 }
 
 fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {

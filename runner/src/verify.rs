@@ -85,11 +85,12 @@ struct FileCheck {
 }
 
 fn signed_diff(have: u64, want: u64) -> String {
-    if have < want {
-        format!("{} bytes short", want - have)
+    let (n, how) = if have < want {
+        (want - have, "short")
     } else {
-        format!("{} bytes too long", have - want)
-    }
+        (have - want, "too long")
+    };
+    format!("{n} byte{} {how}", if n == 1 { "" } else { "s" })
 }
 
 /// Published sizes from `--sizes`: `{"name": size}` or `[{"path": name, "size": size}, ...]`.
@@ -163,13 +164,13 @@ fn stat_regular(path: &Path) -> Result<u64, String> {
 
 /// Check one shard: exists, header readable, size exactly what the header needs, and the
 /// header holds exactly the tensors the index maps to it. Returns the check and the tensor
-/// payload bytes of its header.
+/// payload bytes of its header (`None` when the header could not be read whole).
 fn check_shard(
     dir: &Path,
     name: &str,
     index_names: Option<&[&str]>,
     index: Option<&BTreeMap<String, String>>,
-) -> (FileCheck, u64) {
+) -> (FileCheck, Option<u64>) {
     let path = dir.join(name);
     let mut c = FileCheck {
         name: name.to_string(),
@@ -184,7 +185,7 @@ fn check_shard(
             } else {
                 why
             });
-            return (c, 0);
+            return (c, None);
         }
     }
     let header = match checkpoint::header::read_shard_header(&path) {
@@ -199,18 +200,18 @@ fn check_shard(
                 "truncated: {actual_len} bytes on disk, its header needs {expected_len} ({})",
                 signed_diff(actual_len, expected_len)
             ));
-            return (c, 0);
+            return (c, None);
         }
         Err(e) => {
             c.problems.push(format!("unreadable header: {e}"));
-            return (c, 0);
+            return (c, None);
         }
     };
     let end = header.data_start + header.entries.iter().map(|e| e.end).max().unwrap_or(0);
     c.header_size = Some(end);
     if header.file_len != end {
         c.problems.push(format!(
-            "{} on disk, its header needs {end} ({})",
+            "{} bytes on disk, its header needs {end} ({})",
             header.file_len,
             signed_diff(header.file_len, end)
         ));
@@ -242,7 +243,7 @@ fn check_shard(
             ));
         }
     }
-    (c, payload)
+    (c, Some(payload))
 }
 
 /// Progress on a terminal only (stderr): the checks are fast, but 96 shards on a slow disk
@@ -326,10 +327,12 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     };
     let mut checks = Vec::with_capacity(n_shards);
     let mut payload = 0u64;
+    let mut all_read = true;
     for (i, (name, names)) in by_file.iter().enumerate() {
         progress.tick(i + 1, n_shards, name);
         let (c, p) = check_shard(dir, name, Some(names.as_slice()), index.as_ref());
-        payload += p;
+        all_read &= p.is_some();
+        payload += p.unwrap_or(0);
         checks.push(c);
     }
     progress.done();
@@ -341,7 +344,7 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
         for c in &mut checks {
             match (pubs.get(&c.name), c.size) {
                 (Some(&want), Some(have)) if have != want => c.problems.push(format!(
-                    "{have} on disk, published {want} ({})",
+                    "{have} bytes on disk, published {want} ({})",
                     signed_diff(have, want)
                 )),
                 (None, _) if pubs.keys().any(|k| is_shard_name(k)) => c
@@ -370,7 +373,7 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
                     c.size = Some(have);
                     if have != want {
                         c.problems.push(format!(
-                            "{have} on disk, published {want} ({})",
+                            "{have} bytes on disk, published {want} ({})",
                             signed_diff(have, want)
                         ));
                     }
@@ -446,7 +449,6 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
         }
     }
     if index.is_some() {
-        let all_read = checks.iter().all(|c| c.header_size.is_some());
         match meta_total {
             Some(m) if all_read && m != payload => index_problems.push(format!(
                 "metadata.total_size is {m} but the shards' headers hold {payload} tensor bytes"

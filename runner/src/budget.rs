@@ -11,16 +11,18 @@
 //! A tensor the manifest neither declares nor ignores is `undeclared` and counted resident
 //! (the engine would refuse the checkpoint; the conservative floor is the larger one).
 //! The same bytes are also split the way `k3-run plan` splits them (dense trunk, routed
-//! experts, global), so the two tools can be held to each other.
+//! experts, global), so the two tools can be held to each other. A directory holding only a
+//! config.json (no shards) is budgeted from the manifest's inventory (dtype x shape): the
+//! released K3's floor before downloading it.
 //! Must not: read tensor data, decide presets (that is `doctor` / `--preset`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use clap::Args;
 use k3_models::spec::{FfnKind, RoleScope, TensorDecl, TensorRole};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, INDEX_FILE, SINGLE_FILE};
 use crate::cli::{Failure, exit, load_spec};
 
 /// Flags of `k3-run budget`.
@@ -137,7 +139,8 @@ impl Tally {
 #[derive(Debug)]
 pub struct Budget {
     pub model: String,
-    pub n_shards: usize,
+    /// Shards of the checkpoint; `None`: no checkpoint, the manifest's inventory.
+    pub n_shards: Option<usize>,
     pub classes: Vec<(Class, Tally)>,
     /// Per layer: bytes per class (index = position in [`Class::ALL`]).
     pub layers: Vec<[u64; 7]>,
@@ -173,8 +176,13 @@ impl Budget {
     }
 }
 
-/// Classify every tensor of `ck` by the spec's roles; bytes from the headers.
-pub fn compute(ck: &Checkpoint, spec: &k3_models::spec::ModelSpec) -> Budget {
+/// Classify the tensors `(name, bytes)` by the spec's roles. `n_shards`: the checkpoint's
+/// shard count, `None` when the tensors are the spec's own inventory (no checkpoint).
+pub fn compute(
+    spec: &k3_models::spec::ModelSpec,
+    tensors: &[(&str, u64)],
+    n_shards: Option<usize>,
+) -> Budget {
     let by_name: HashMap<&str, &TensorDecl> =
         spec.tensors.iter().map(|d| (d.name.as_str(), d)).collect();
     let mut tallies: HashMap<Class, Tally> = HashMap::new();
@@ -185,9 +193,8 @@ pub fn compute(ck: &Checkpoint, spec: &k3_models::spec::ModelSpec) -> Budget {
     let mut mis_sized: Vec<&str> = Vec::new();
     // bytes of one routed expert (expert 0) per layer
     let mut expert0 = vec![0u64; spec.n_layers];
-    for name in ck.tensor_names() {
-        let bytes = ck.try_location(name).map_or(0, |l| l.n_bytes);
-        let class = match by_name.get(name.as_str()) {
+    for &(name, bytes) in tensors {
+        let class = match by_name.get(name) {
             Some(d) => {
                 if bytes != d.n_bytes() as u64 {
                     mis_sized.push(name);
@@ -222,11 +229,12 @@ pub fn compute(ck: &Checkpoint, spec: &k3_models::spec::ModelSpec) -> Budget {
         };
         tallies.entry(class).or_default().add(bytes);
     }
+    let present: HashSet<&str> = tensors.iter().map(|t| t.0).collect();
     let missing: Vec<&str> = spec
         .tensors
         .iter()
-        .filter(|d| ck.info(&d.name).is_none())
         .map(|d| d.name.as_str())
+        .filter(|n| !present.contains(n))
         .collect();
     for (what, list) in [
         (
@@ -256,7 +264,7 @@ pub fn compute(ck: &Checkpoint, spec: &k3_models::spec::ModelSpec) -> Budget {
     let active = moe_layers.iter().map(|&l| expert0[l] * k as u64).sum();
     Budget {
         model: spec.name.clone(),
-        n_shards: ck.shards().len(),
+        n_shards,
         classes: Class::ALL
             .iter()
             .map(|&c| (c, tallies.get(&c).copied().unwrap_or_default()))
@@ -288,13 +296,14 @@ impl Budget {
         let mut s = String::new();
         let n_tensors: u64 = self.classes.iter().map(|(_, t)| t.tensors).sum();
         let total = self.total_bytes();
-        let _ = writeln!(
-            s,
-            "budget for {}: {} ({n_tensors} tensors in {} shards; bytes from the headers)",
-            self.model,
-            dir.display(),
-            self.n_shards
-        );
+        let source = match self.n_shards {
+            Some(n) => format!("{n_tensors} tensors in {n} shards; bytes from the headers"),
+            None => format!(
+                "no checkpoint: the manifest's {n_tensors} tensors for its config.json, bytes \
+                 from dtype x shape; tensors the manifest ignores are not counted"
+            ),
+        };
+        let _ = writeln!(s, "budget for {}: {} ({source})", self.model, dir.display());
         let _ = writeln!(
             s,
             "  class          tensors             bytes           GB  resident"
@@ -384,6 +393,7 @@ impl Budget {
             "model": self.model,
             "dir": dir.display().to_string(),
             "shards": self.n_shards,
+            "source": if self.n_shards.is_some() { "headers" } else { "manifest" },
             "tensors": self.classes.iter().map(|(_, t)| t.tensors).sum::<u64>(),
             "classes": classes,
             "total_bytes": self.total_bytes(),
@@ -421,8 +431,31 @@ impl Budget {
 /// is still printed; the engine would refuse to run it), 2 on a usage error.
 pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
     let spec = load_spec(&a.model_dir, a.manifest.as_deref(), a.config.as_deref())?;
-    let ck = Checkpoint::open_unchecked(&a.model_dir).map_err(|e| Failure::usage(e.to_string()))?;
-    let b = compute(&ck, &spec);
+    let dir = &a.model_dir;
+    let has_checkpoint = dir.join(INDEX_FILE).exists() || dir.join(SINGLE_FILE).exists();
+    let b = if has_checkpoint {
+        let ck = Checkpoint::open_unchecked(dir).map_err(|e| Failure::usage(e.to_string()))?;
+        let tensors: Vec<(&str, u64)> = ck
+            .tensor_names()
+            .iter()
+            .map(|n| {
+                // headers are range-checked at open: dtype x shape is the stored span
+                let bytes = ck
+                    .info(n)
+                    .and_then(|(dt, sh)| crate::checkpoint::header::expected_bytes(dt, sh))
+                    .unwrap_or(0);
+                (n.as_str(), bytes)
+            })
+            .collect();
+        compute(&spec, &tensors, Some(ck.shards().len()))
+    } else {
+        let tensors: Vec<(&str, u64)> = spec
+            .tensors
+            .iter()
+            .map(|d| (d.name.as_str(), d.n_bytes() as u64))
+            .collect();
+        compute(&spec, &tensors, None)
+    };
     if a.json {
         let text = serde_json::to_string_pretty(&b.json(&a.model_dir, a.per_layer))
             .map_err(|e| Failure::usage(e.to_string()))?;

@@ -429,3 +429,66 @@ fn budget_on_a_checkpoint_the_manifest_does_not_describe_exits_2() {
     let o = k3(&["budget", s(&kl)]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));
 }
+
+#[test]
+fn budget_without_shards_uses_the_manifest_inventory() {
+    // fixture A's config.json alone: the declared tensors' bytes, the same classes as from
+    // the headers, only the tensors the manifest ignores (never loaded) are not counted
+    let a = fixture_a();
+    let dir = fresh_dir("budget_config_only");
+    std::fs::copy(a.join("config.json"), dir.join("config.json")).unwrap();
+    let from_headers = json_of(&["budget", s(&a), "--json"]);
+    let from_spec = json_of(&["budget", s(&dir), "--json"]);
+    assert_eq!(from_spec["source"], "manifest", "{from_spec}");
+    assert_eq!(from_headers["source"], "headers", "{from_headers}");
+    for class in [
+        "routed_expert",
+        "shared_expert",
+        "attention",
+        "embedding",
+        "other",
+    ] {
+        assert_eq!(
+            from_spec["classes"][class], from_headers["classes"][class],
+            "class {class}"
+        );
+    }
+    assert_eq!(u(&from_spec["classes"]["unused"]["tensors"]), 0);
+    assert!(u(&from_headers["classes"]["unused"]["tensors"]) > 0);
+    for k in [
+        "resident_floor_bytes",
+        "active_expert_bytes_per_token",
+        "plan",
+    ] {
+        assert_eq!(from_spec[k], from_headers[k], "{k}");
+    }
+}
+
+#[test]
+fn budget_of_a_checkpoint_that_is_not_the_manifests_model_exits_1() {
+    // config.json says 8 experts, the shards hold 16: experts 8..15 are undeclared (counted
+    // resident: the larger floor), the routers are mis-sized; the report is still printed
+    let d = copy_a("budget_undeclared");
+    let p = d.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    assert_eq!(c["text_config"]["num_experts"], 16);
+    c["text_config"]["num_experts"] = serde_json::json!(8);
+    std::fs::write(&p, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    let o = k3(&["budget", s(&d), "--json"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("not declared by the manifest"), "{err}");
+    assert!(err.contains("of another size"), "{err}");
+    let b: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let undeclared = &b["classes"]["undeclared"];
+    let moe_layers = 12;
+    assert_eq!(u(&undeclared["tensors"]), 8 * 6 * moe_layers, "{b}");
+    assert_eq!(undeclared["resident"], Value::Bool(true));
+    let all: u64 = header_tensors(&d).iter().map(|t| t.1).sum();
+    assert_eq!(u(&b["total_bytes"]), all);
+    assert_eq!(
+        u(&b["resident_floor_bytes"]),
+        all - u(&b["classes"]["routed_expert"]["bytes"]) - u(&b["classes"]["unused"]["bytes"]),
+        "{b}"
+    );
+}

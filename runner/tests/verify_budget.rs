@@ -492,3 +492,40 @@ fn budget_of_a_checkpoint_that_is_not_the_manifests_model_exits_1() {
         "{b}"
     );
 }
+
+#[test]
+fn verify_index_total_size_is_only_a_note() {
+    // the engine never reads metadata.total_size: a different value is reported, not a FAIL
+    let d = copy_a("verify_total_size");
+    let p = d.join("model.safetensors.index.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let t = u(&v["metadata"]["total_size"]);
+    v["metadata"]["total_size"] = serde_json::json!(t + 1);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let out = assert_match(&verify(&d, &[]));
+    assert!(
+        out.contains(&format!("metadata.total_size is {}", t + 1)),
+        "{out}"
+    );
+    // a tensor the index maps to another shard than the one holding it is a FAIL naming both
+    // the shards involved and the index
+    let names = shards(&d);
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let map = v["weight_map"].as_object_mut().unwrap();
+    let moved = map
+        .iter()
+        .find(|(_, f)| f.as_str() == Some(names[0].as_str()))
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    map.insert(moved, Value::String(names[1].clone()));
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let o = verify(&d, &[]);
+    assert_eq!(
+        fetch_again(&o),
+        vec![
+            names[0].clone(),
+            names[1].clone(),
+            "model.safetensors.index.json".to_string()
+        ]
+    );
+}

@@ -310,6 +310,12 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     }
     let n_tensors = index.as_ref().map_or(0, BTreeMap::len);
     let n_shards = by_file.len();
+    if n_shards == 0 {
+        return Err(Failure::usage(format!(
+            "{}: the weight_map names no shard",
+            index_path.display()
+        )));
+    }
     println!(
         "verifying {} ({}: {n_shards} shard{}{})",
         dir.display(),

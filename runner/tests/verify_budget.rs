@@ -273,6 +273,14 @@ fn verify_usage_errors_exit_2() {
     .unwrap();
     let o = verify(&d, &[]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        b"{\"weight_map\": {}}",
+    )
+    .unwrap();
+    let o = verify(&d, &[]);
+    assert_eq!(code(&o), 2, "an index naming nothing: {}", stdout(&o));
+    assert!(stderr(&o).contains("names no shard"), "{}", stderr(&o));
 
     let o = verify(&fixture_a(), &["--sizes", s(&empty.join("nope.json"))]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));

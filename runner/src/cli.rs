@@ -138,7 +138,8 @@ pub struct MemArgs {
     /// mmap when it does not fit). Same bits either way. Default from K3_RESIDENT, else mmap.
     #[arg(long, value_name = "mmap|arena")]
     pub resident: Option<String>,
-    /// Write every (layer, expert) request (expert_trace.bin) and a histogram here.
+    /// Write every (layer, expert) request (expert_trace.bin) and a histogram here; the same
+    /// requests whether the experts are resident or cached (also with --batch-ids).
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
     /// Expert-cache eviction policy plugin (.so implementing plugins/abi; default: built-in LRU).
@@ -180,7 +181,8 @@ pub struct PlanCli {
     /// Model manifest (default: the built-in kimi-k3 manifest).
     #[arg(long)]
     pub manifest: Option<PathBuf>,
-    /// Model config (default MODEL_DIR/config.json).
+    /// The model's config.json (JSON; default MODEL_DIR/config.json). Not a run config
+    /// (.toml): plan takes a run config's manifest with --manifest.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Context length to plan the KV cache for.
@@ -232,7 +234,9 @@ pub struct RunArgs {
     /// Resume from a state saved with --save-state; the prompt continues after it.
     #[arg(long)]
     pub load_state: Option<PathBuf>,
-    /// Maximum context (positions) to plan the KV cache for (default: prompt + --gen).
+    /// Maximum context (positions) to plan the KV cache for (default: prompt + --gen, plus
+    /// the positions of --load-state; with --batch-ids the longest prompt + --gen). A value
+    /// below what the request needs is a usage error. With --chat / --serve: default 8192.
     #[arg(long)]
     pub max_context: Option<usize>,
     #[command(flatten)]
@@ -266,7 +270,8 @@ pub struct RunArgs {
     /// JSON result file.
     #[arg(long, default_value = "k3_run.json")]
     pub out: PathBuf,
-    /// Write the first-step f32 logits (little-endian) here.
+    /// Write the first-step f32 logits (little-endian) here. With --batch-ids: each
+    /// sequence's first-step logits (vocab x 4 bytes each), concatenated in prompt order.
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
     /// Stop when one of these ids is generated (up to 8).
@@ -466,8 +471,9 @@ pub fn memory_settings(
         preset.as_ref().map(|p| (pi, p.cache_gb)),
     );
     if let Some(p) = &preset {
+        let streamed = m.trunk.is_some();
         notes.push(format!(
-            "preset {}: trunk {:.2} GB, expert cache {:.2} GB{} (effective: trunk {}, cache {})",
+            "preset {}: trunk {:.2} GB, expert cache {:.2} GB{} (effective: trunk {}, cache {}{})",
             p.name,
             p.trunk_gb,
             p.cache_gb,
@@ -476,13 +482,34 @@ pub fn memory_settings(
             } else {
                 ""
             },
-            trunk_gb.map_or("-".into(), |v| format!("{v:.3} GB")),
+            match trunk_gb {
+                Some(v) if streamed => format!("{v:.3} GB"),
+                _ => "resident".into(),
+            },
             cache_gb.map_or("-".into(), |v| format!("{v:.3} GB")),
+            match (p.ultra_low_memory, streamed || m.ultra_low_memory) {
+                (true, true) => ", ultra-low-memory",
+                (true, false) => ", ultra-low-memory off",
+                _ => "",
+            },
         ));
-        if m.trunk.is_none() {
+        if !streamed {
+            // Everything of the preset that needs a packed trunk is named: nothing is dropped
+            // silently.
             notes.push(format!(
-                "warning: preset {} assumes a packed trunk (--trunk DIR from `k3-run pack-trunk`); without it the trunk is resident",
-                p.name
+                "warning: preset {} assumes a packed trunk (--trunk DIR from `k3-run pack-trunk`); \
+                 without it the trunk is resident, so the preset's trunk budget ({:.2} GB){} \
+                 not applied; only its expert cache ({:.2} GB) is",
+                p.name,
+                p.trunk_gb,
+                if p.ultra_low_memory {
+                    " and its ultra-low-memory setting (streamed embedding rows and lm_head \
+                     chunks, which needs --trunk: --ultra-low-memory without --trunk is \
+                     refused) are"
+                } else {
+                    " is"
+                },
+                p.cache_gb,
             ));
         }
     }
@@ -544,19 +571,158 @@ pub fn memory_settings(
              (or a --preset); without it the routed experts are resident",
         ));
     }
+    if let Some(dir) = &settings.trunk_dir {
+        check_trunk_dir(dir)?;
+    }
     Ok((settings, notes))
 }
 
-/// `--config FILE.toml` is a run config (manifest + preset + I/O policy); `--config FILE.json`
-/// (or any other name) is the model's config.json (SYSTEM.md §6).
-pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Failure> {
-    match &a.config {
-        Some(p) if p.extension().is_some_and(|e| e == "toml") => {
-            crate::runconfig::RunConfig::load(p)
-                .map(Some)
-                .map_err(|e| Failure::usage(e.to_string()))
+/// `--trunk DIR` (a run's or `plan`'s): the directory must exist and hold a readable
+/// `trunk.json`; otherwise a usage error naming the path (exit 2 in both).
+pub fn check_trunk_dir(dir: &Path) -> Result<(), Failure> {
+    use crate::stream::pack::TRUNK_JSON;
+    let pack = format!(
+        "a packed trunk is written by `k3-run pack-trunk MODEL_DIR {}`",
+        dir.display()
+    );
+    match std::fs::metadata(dir) {
+        Err(e) => {
+            return Err(Failure::usage(format!(
+                "--trunk {}: cannot read the directory: {e} ({pack})",
+                dir.display()
+            )));
         }
-        _ => Ok(None),
+        Ok(md) if !md.is_dir() => {
+            return Err(Failure::usage(format!(
+                "--trunk {}: not a directory ({pack})",
+                dir.display()
+            )));
+        }
+        Ok(_) => {}
+    }
+    let json = dir.join(TRUNK_JSON);
+    match std::fs::File::open(&json) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Failure::usage(format!(
+            "--trunk {}: no {TRUNK_JSON}: not a packed trunk, or the pack did not finish ({pack})",
+            dir.display()
+        ))),
+        Err(e) => Err(Failure::usage(format!(
+            "--trunk {}: cannot read {}: {e} ({pack})",
+            dir.display(),
+            json.display()
+        ))),
+    }
+}
+
+/// What a file given to `--config` holds, judged from its text (for the error that says which
+/// flag it belongs to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ConfigKind {
+    /// JSON: a model config.json.
+    ModelJson,
+    /// TOML with `manifest` / `io` / `preset`: a run config (`configs/*.toml`).
+    RunToml,
+    /// TOML with `family` / `[config]` / `[pins]` / `[[tensors]]`: a model manifest.
+    ManifestToml,
+    /// Unreadable or anything else.
+    Other,
+}
+
+fn config_kind(path: &Path) -> ConfigKind {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return ConfigKind::Other;
+    };
+    if serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| v.is_object()) {
+        return ConfigKind::ModelJson;
+    }
+    let Ok(t) = text.parse::<toml::Table>() else {
+        return ConfigKind::Other;
+    };
+    if ["manifest", "io", "preset"]
+        .iter()
+        .any(|k| t.contains_key(*k))
+    {
+        ConfigKind::RunToml
+    } else if ["family", "config", "pins", "tensors"]
+        .iter()
+        .any(|k| t.contains_key(*k))
+    {
+        ConfigKind::ManifestToml
+    } else {
+        ConfigKind::Other
+    }
+}
+
+/// `plan --config FILE`: the model's config.json. A run config or a manifest (TOML) is refused
+/// up front, saying what the flag expects and which flag the file belongs to.
+fn check_plan_config(path: &Path) -> Result<(), Failure> {
+    let toml_name = path.extension().is_some_and(|e| e == "toml");
+    let kind = config_kind(path);
+    let what = match kind {
+        ConfigKind::RunToml => "a run config (TOML)",
+        ConfigKind::ManifestToml => "a model manifest (TOML)",
+        ConfigKind::Other if toml_name => "a .toml file",
+        _ => return Ok(()),
+    };
+    let hint = match kind {
+        ConfigKind::ManifestToml => format!("give it with `plan --manifest {}`", path.display()),
+        ConfigKind::RunToml => {
+            let (manifest, preset) = match crate::runconfig::RunConfig::load(path) {
+                Ok(rc) => (
+                    rc.manifest.display().to_string(),
+                    rc.preset.unwrap_or_else(|| "NAME".into()),
+                ),
+                Err(_) => ("MANIFEST.toml".into(), "NAME".into()),
+            };
+            format!(
+                "a run config belongs to a run's --config (`k3-run MODEL_DIR --config FILE.toml \
+                 ...`); to plan with its manifest give `plan --manifest {manifest}`, and its \
+                 preset with `plan --trunk DIR --preset {preset}`"
+            )
+        }
+        _ => "a run config (.toml) belongs to a run's --config (`k3-run MODEL_DIR --config \
+              FILE.toml ...`), a model manifest to --manifest"
+            .to_string(),
+    };
+    Err(Failure::usage(format!(
+        "plan --config {}: expects the model's config.json (JSON), but this is {what}: {hint}",
+        path.display()
+    )))
+}
+
+/// `--config FILE.toml` is a run config (manifest + preset + I/O policy); `--config FILE.json`
+/// (or any other name) is the model's config.json (SYSTEM.md §6). A file given under the
+/// other kind's name (a run config not named .toml, a manifest or a config.json named .toml) is
+/// refused saying what the flag expects and which flag the file belongs to.
+pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Failure> {
+    let Some(p) = &a.config else {
+        return Ok(None);
+    };
+    let toml_name = p.extension().is_some_and(|e| e == "toml");
+    let expects = "--config takes a run config named *.toml (configs/*.toml: manifest + preset + \
+                   I/O policy) or the model's config.json (any other name)";
+    match (toml_name, config_kind(p)) {
+        (_, ConfigKind::ManifestToml) => Err(Failure::usage(format!(
+            "--config {}: this is a model manifest (TOML); {expects}: give a manifest with \
+             --manifest {}",
+            p.display(),
+            p.display()
+        ))),
+        (true, ConfigKind::ModelJson) => Err(Failure::usage(format!(
+            "--config {}: this is JSON (a model config.json) but the name ends in .toml, which \
+             {expects}: rename it to .json",
+            p.display()
+        ))),
+        (false, ConfigKind::RunToml) => Err(Failure::usage(format!(
+            "--config {}: this is a run config (TOML) but the name does not end in .toml, so it \
+             would be read as the model's config.json; {expects}: rename it to .toml",
+            p.display()
+        ))),
+        (true, _) => crate::runconfig::RunConfig::load(p)
+            .map(Some)
+            .map_err(|e| Failure::usage(e.to_string())),
+        (false, _) => Ok(None),
     }
 }
 
@@ -743,6 +909,17 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         return Ok(exit::OK);
     }
     if a.chat.chat || a.chat.serve.is_some() {
+        for (given, flag) in [
+            (a.dump_logits.is_some(), "--dump-logits"),
+            (a.mem.dump_cache_trace.is_some(), "--dump-cache-trace"),
+        ] {
+            if given {
+                return Err(Failure::usage(format!(
+                    "{flag} is written by a --ids / --prompt / --batch-ids run; --chat and \
+                     --serve do not write it"
+                )));
+            }
+        }
         return chat_main(a);
     }
     if a.chat.no_think || a.chat.thinking_effort.is_some() {
@@ -818,7 +995,20 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         );
     }
     let needed = prefix_ids.len() + prompt.len() + a.n_gen;
-    let positions = a.max_context.unwrap_or(needed).max(needed);
+    let positions = context_positions(
+        a.max_context,
+        needed,
+        &if prefix_ids.is_empty() {
+            format!("the prompt ({}) + --gen {}", prompt.len(), a.n_gen)
+        } else {
+            format!(
+                "{} positions of --load-state + the prompt ({}) + --gen {}",
+                prefix_ids.len(),
+                prompt.len(),
+                a.n_gen
+            )
+        },
+    )?;
     let mut plan = with_prefill_chunk(a, Plan::new(&spec, positions))?;
     eprintln!(
         "k3-run {}: {} ({} layers, d_model {}, vocab {}), {} threads, {} kernels",
@@ -1057,28 +1247,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "PEAK RSS {:.1} MB (getrusage; quote this, not the plan)",
         peak as f64 / 1e6
     );
-    if let Some(p) = &a.dump_logits {
-        let bytes: Vec<u8> = res
-            .first_logits
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        std::fs::write(p, bytes).map_err(|e| Failure {
-            code: exit::OUT_WRITE,
-            msg: format!("cannot write --dump-logits {}: {e}", p.display()),
-        })?;
-    }
-    if let (Some(dir), Some(t)) = (&a.mem.dump_cache_trace, providers.experts.trace()) {
-        crate::stream::trace::write_trace(dir, t).map_err(|e| Failure {
-            code: exit::OUT_WRITE,
-            msg: e.to_string(),
-        })?;
-        eprintln!(
-            "expert trace: {} requests written to {}",
-            t.len(),
-            dir.display()
-        );
-    }
+    dump_logits(a, &[&res.first_logits])?;
+    dump_expert_trace(a, providers)?;
     let json = serde_json::json!({
         "model": spec.name,
         "prompt_ids": res.prompt_ids,
@@ -1158,6 +1328,51 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         return Ok(exit::INTERRUPTED);
     }
     Ok(exit::OK)
+}
+
+/// `--dump-logits FILE`: the first-step f32 logits (little-endian), one block per sequence in
+/// prompt order (one for a single prompt, one per `--batch-ids` prompt).
+fn dump_logits(a: &RunArgs, blocks: &[&[f32]]) -> Result<(), Failure> {
+    let Some(p) = &a.dump_logits else {
+        return Ok(());
+    };
+    let bytes: Vec<u8> = blocks
+        .iter()
+        .flat_map(|b| b.iter())
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    std::fs::write(p, bytes).map_err(|e| Failure {
+        code: exit::OUT_WRITE,
+        msg: format!("cannot write --dump-logits {}: {e}", p.display()),
+    })
+}
+
+/// `--dump-cache-trace DIR`: the (layer, expert) requests the expert source recorded (resident
+/// experts and the expert cache both record them when the flag is given).
+fn dump_expert_trace(a: &RunArgs, providers: &crate::exec::Providers<'_>) -> Result<(), Failure> {
+    let Some(dir) = &a.mem.dump_cache_trace else {
+        return Ok(());
+    };
+    let t = providers.experts.trace().ok_or_else(|| Failure {
+        code: exit::FORWARD,
+        msg: format!(
+            "--dump-cache-trace {}: the expert source recorded no trace (internal error)",
+            dir.display()
+        ),
+    })?;
+    crate::stream::trace::write_trace(dir, t).map_err(|e| Failure {
+        code: exit::OUT_WRITE,
+        msg: format!("--dump-cache-trace: {e}"),
+    })?;
+    let requests = t
+        .iter()
+        .filter(|r| r.0 != crate::stream::trace::TOKEN_MARK)
+        .count();
+    eprintln!(
+        "expert trace: {requests} requests written to {}",
+        dir.display()
+    );
+    Ok(())
 }
 
 /// `--chat` / `--serve`: load the model (memory flags apply) and hand it to the REPL or the
@@ -1288,10 +1503,11 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let positions = a
-        .max_context
-        .unwrap_or(longest + a.n_gen)
-        .max(longest + a.n_gen);
+    let positions = context_positions(
+        a.max_context,
+        longest + a.n_gen,
+        &format!("the longest prompt ({longest}) + --gen {}", a.n_gen),
+    )?;
     let (mut session, mut exec) =
         load_model(a, &spec, &ckpt, &settings, &notes, positions, prompts.len())?;
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -1332,6 +1548,13 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
         res.prefill_seconds,
         trunk_read as f64 / 1e9
     );
+    let firsts: Vec<&[f32]> = res
+        .sequences
+        .iter()
+        .map(|s| s.first_logits.as_slice())
+        .collect();
+    dump_logits(a, &firsts)?;
+    dump_expert_trace(a, providers)?;
     let mut v = serde_json::to_value(&res).map_err(|e| Failure::usage(e.to_string()))?;
     v["trunk_bytes_read"] = serde_json::json!(trunk_read);
     v["peak_rss_bytes"] = serde_json::json!(run::peak_rss_bytes());
@@ -1344,6 +1567,23 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
         return Ok(exit::INTERRUPTED);
     }
     Ok(exit::OK)
+}
+
+/// The positions to plan the KV cache for: `--max-context N`, else `needed` (`why` says what it
+/// is made of). Below `needed` is a usage error stating the number, not a silent raise.
+fn context_positions(
+    max_context: Option<usize>,
+    needed: usize,
+    why: &str,
+) -> Result<usize, Failure> {
+    match max_context {
+        None => Ok(needed),
+        Some(n) if n >= needed => Ok(n),
+        Some(n) => Err(Failure::usage(format!(
+            "--max-context {n} is below what this request needs: {needed} positions ({why}); \
+             give at least --max-context {needed}, or leave it out"
+        ))),
+    }
 }
 
 /// Write a file via a temporary name and rename, so a reader never sees half a file.
@@ -1388,6 +1628,9 @@ fn sim_main(p: &SimCli) -> Result<u8, Failure> {
 }
 
 fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
+    if let Some(c) = &p.config {
+        check_plan_config(c)?;
+    }
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), p.config.as_deref())?;
     let plan = Plan::new(&spec, p.positions);
     let trunk_plan = match &p.trunk {
@@ -1439,6 +1682,7 @@ fn plan_packed_trunk(
     ),
     Failure,
 > {
+    check_trunk_dir(dir)?;
     let gb = match (p.trunk_gb, &p.preset) {
         (Some(g), _) => g,
         (None, Some(name)) => {
@@ -1461,8 +1705,63 @@ fn plan_packed_trunk(
     Ok((plan, m))
 }
 
+/// Levenshtein distance of two short words (subcommand names).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The subcommand `word` was probably meant to be: within edit distance 2 of a subcommand
+/// name, or a prefix of one (the closest; ties to the first in `--help` order). `None` for an
+/// exact name, a path (with `/`) or a flag.
+pub fn near_subcommand(word: &str, names: &[&str]) -> Option<String> {
+    if word.is_empty() || word.starts_with('-') || word.contains('/') || names.contains(&word) {
+        return None;
+    }
+    let w = word.to_lowercase();
+    names
+        .iter()
+        .filter_map(|&n| {
+            let d = edit_distance(&w, n);
+            (d <= 2 || n.starts_with(&w)).then_some((d, n))
+        })
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, n)| n.to_string())
+}
+
+/// A first argument that is not an existing path but looks like a mistyped subcommand: clap
+/// would take it as MODEL_DIR and complain about the next argument. The usage error to print.
+fn mistyped_subcommand() -> Option<String> {
+    let first = std::env::args_os().nth(1)?;
+    let word = first.to_str()?;
+    if Path::new(word).exists() {
+        return None;
+    }
+    let cmd = Cli::command();
+    let names: Vec<&str> = cmd.get_subcommands().map(|c| c.get_name()).collect();
+    let sub = near_subcommand(word, &names)?;
+    Some(format!(
+        "no model directory '{word}' (did you mean the subcommand `{sub}`? `k3-run {sub} --help` \
+         shows its arguments)"
+    ))
+}
+
 /// Entry point used by `main`.
 pub fn main() -> ExitCode {
+    if let Some(msg) = mistyped_subcommand() {
+        eprintln!("k3-run: error: {msg}");
+        return ExitCode::from(exit::USAGE);
+    }
     let matches = Cli::command().get_matches();
     let mut cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
@@ -1517,5 +1816,34 @@ pub fn main() -> ExitCode {
             eprintln!("k3-run: error: {}", f.msg);
             ExitCode::from(f.code)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn near_subcommand_takes_small_edits_and_prefixes_only() {
+        let names = [
+            "synth",
+            "plan",
+            "doctor",
+            "pack-trunk",
+            "sim-cache",
+            "render-chat",
+        ];
+        let near = |w: &str| near_subcommand(w, &names);
+        assert_eq!(near("pack-trnk").as_deref(), Some("pack-trunk"));
+        assert_eq!(near("sim-cash").as_deref(), Some("sim-cache"));
+        assert_eq!(near("plna").as_deref(), Some("plan"));
+        assert_eq!(near("Doctr").as_deref(), Some("doctor"));
+        assert_eq!(near("render").as_deref(), Some("render-chat"));
+        assert_eq!(near("plan"), None, "an exact name is the subcommand");
+        assert_eq!(near("models/A"), None, "a path is a path");
+        assert_eq!(near("--ids"), None);
+        assert_eq!(near("checkpoint-dir"), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
     }
 }

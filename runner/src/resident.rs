@@ -339,6 +339,11 @@ pub struct ResidentExperts<'c> {
     stats: ExpertStats,
     /// MXFP4 (six tensors per expert) or BF16 (three; no scale slots).
     format: ExpertFormat,
+    /// Every `(layer, expert)` request and a token mark per `begin_token`
+    /// (`--dump-cache-trace`), the same records the expert cache keeps.
+    trace: Option<Vec<(u32, u32)>>,
+    /// `begin_token` calls so far (the token marks' numbers).
+    token: usize,
 }
 
 impl<'c> ResidentExperts<'c> {
@@ -380,7 +385,16 @@ impl<'c> ResidentExperts<'c> {
             arena: b.arena,
             stats: ExpertStats::default(),
             format: expert_format(spec),
+            trace: None,
+            token: 0,
         }
+    }
+
+    /// Start recording every (layer, expert) request (`--dump-cache-trace`): the same records
+    /// as [`crate::stream::experts::ExpertCache::enable_trace`] for the same request (the
+    /// routing does not depend on where the experts live).
+    pub fn enable_trace(&mut self) {
+        self.trace.get_or_insert_with(Vec::new);
     }
 
     fn one(&self, layer: usize, e: usize) -> Result<ExpertWeights<'_>, WeightError> {
@@ -428,11 +442,25 @@ impl<'c> ResidentExperts<'c> {
 }
 
 impl ExpertSource for ResidentExperts<'_> {
+    fn begin_token(&mut self) {
+        self.token += 1;
+        if let Some(t) = &mut self.trace {
+            t.push((crate::stream::trace::TOKEN_MARK, self.token as u32));
+        }
+    }
+
+    fn trace(&self) -> Option<&[(u32, u32)]> {
+        self.trace.as_deref()
+    }
+
     fn experts(
         &mut self,
         layer: usize,
         ids: &[u32],
     ) -> Result<Vec<ExpertWeights<'_>>, WeightError> {
+        if let Some(t) = &mut self.trace {
+            t.extend(ids.iter().map(|&e| (layer as u32, e)));
+        }
         self.stats.requests += ids.len() as u64;
         self.stats.hits += ids.len() as u64;
         self.stats.resident_hits += ids.len() as u64;

@@ -300,6 +300,7 @@ pub fn generate_batch(
     for (b, p) in prompts.iter().enumerate() {
         res.sequences.push(GenResult {
             prompt_ids: p.clone(),
+            first_logits: logits[b].clone(),
             first_logits_hash: logits_hash(&logits[b]),
             ..GenResult::default()
         });

@@ -179,7 +179,11 @@ pub fn build_with<'c>(
                 "experts: resident ({}, {resident_where})",
                 fmt_bytes(plan.expert_bytes())
             ));
-            Box::new(ResidentExperts::with_arena(spec, ckpt, arena.clone()))
+            let mut r = ResidentExperts::with_arena(spec, ckpt, arena.clone());
+            if m.trace_experts {
+                r.enable_trace();
+            }
+            Box::new(r)
         }
         Some(budget) => {
             let opts = ExpertCacheOptions {

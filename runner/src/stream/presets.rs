@@ -116,7 +116,8 @@ pub fn list_presets() -> Result<String, StreamError> {
     }
     s.push_str(
         "All presets stream the trunk, so they need --trunk <packed_dir>; without it the whole \
-         trunk is loaded resident.\nA later --trunk-gb / --cache-gb overrides the preset's number \
+         trunk is loaded resident and only the expert-cache budget applies (ultra's \
+         ultra-low-memory needs --trunk too).\nA later --trunk-gb / --cache-gb overrides the preset's number \
          (the later flag wins).\n",
     );
     Ok(s)

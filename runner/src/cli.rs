@@ -1748,11 +1748,15 @@ fn mistyped_subcommand() -> Option<String> {
         return None;
     }
     let cmd = Cli::command();
-    let names: Vec<&str> = cmd.get_subcommands().map(|c| c.get_name()).collect();
+    // clap adds `help` when it builds the command
+    let names: Vec<&str> = cmd
+        .get_subcommands()
+        .map(|c| c.get_name())
+        .chain(["help"])
+        .collect();
     let sub = near_subcommand(word, &names)?;
     Some(format!(
-        "no model directory '{word}' (did you mean the subcommand `{sub}`? `k3-run {sub} --help` \
-         shows its arguments)"
+        "no model directory '{word}' (did you mean the subcommand `{sub}`?)"
     ))
 }
 

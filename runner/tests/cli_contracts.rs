@@ -377,6 +377,7 @@ fn a_mistyped_subcommand_is_named() {
         (&["sim-cash", "x"][..], "sim-cash", "sim-cache"),
         (&["plna", "x"][..], "plna", "plan"),
         (&["rende", "--ids", "1"][..], "rende", "render-chat"),
+        (&["hlep"][..], "hlep", "help"),
     ] {
         expect_fail(
             &k3(args),

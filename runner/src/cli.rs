@@ -1721,6 +1721,18 @@ fn edit_distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
+/// Output piped into a reader that stops early (`k3-run plan M | head`) ends the process
+/// quietly, as in other Unix tools, instead of `println!`'s "failed printing to stdout" panic
+/// (exit 101 with a backtrace): the signal's default action. Sockets are not affected (the
+/// standard library sends with `MSG_NOSIGNAL`: a `--serve` client that hangs up is an error
+/// of that request only).
+fn quiet_broken_pipe() {
+    // SAFETY: restores a signal's default disposition at start-up, before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// The subcommand `word` was probably meant to be: within edit distance 2 of a subcommand
 /// name, or a prefix of one (the closest; ties to the first in `--help` order). `None` for an
 /// exact name, a path (with `/`) or a flag.
@@ -1762,6 +1774,7 @@ fn mistyped_subcommand() -> Option<String> {
 
 /// Entry point used by `main`.
 pub fn main() -> ExitCode {
+    quiet_broken_pipe();
     if let Some(msg) = mistyped_subcommand() {
         eprintln!("k3-run: error: {msg}");
         return ExitCode::from(exit::USAGE);

@@ -403,3 +403,32 @@ fn a_mistyped_subcommand_is_named() {
     let err = expect_fail(&k3(&["no-such-model", "--ids", "1"]), 2, &["no-such-model"]);
     assert!(!err.contains("did you mean"), "{err}");
 }
+
+/// Output into a pipe whose reader is gone (`k3-run plan M | head -1` after `head` exits) ends
+/// the process by SIGPIPE, quietly, for a subcommand and for a run; before, `println!`
+/// panicked (exit 101, a backtrace on stderr).
+#[test]
+fn a_closed_stdout_pipe_ends_the_process_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let a = fixture_a();
+    for args in [
+        vec!["plan", s(&a)],
+        vec![s(&a), "--ids", "1,2,3", "--gen", "3", "--incremental"],
+    ] {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let o = Command::new(env!("CARGO_BIN_EXE_k3-run"))
+            .args(&args)
+            .stdout(writer)
+            .output()
+            .expect("spawn k3-run");
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{args:?}:\n{err}");
+        assert_eq!(
+            o.status.signal(),
+            Some(libc::SIGPIPE),
+            "{args:?}: {:?}\n{err}",
+            o.status
+        );
+    }
+}

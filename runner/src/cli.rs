@@ -909,15 +909,30 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         return Ok(exit::OK);
     }
     if a.chat.chat || a.chat.serve.is_some() {
-        for (given, flag) in [
-            (a.dump_logits.is_some(), "--dump-logits"),
-            (a.mem.dump_cache_trace.is_some(), "--dump-cache-trace"),
+        for (given, flag, what) in [
+            (
+                a.dump_logits.is_some(),
+                "--dump-logits",
+                "is written by a --ids / --prompt / --batch-ids run; --chat and --serve do not write it",
+            ),
+            (
+                a.mem.dump_cache_trace.is_some(),
+                "--dump-cache-trace",
+                "is written by a --ids / --prompt / --batch-ids run; --chat and --serve do not write it",
+            ),
+            (
+                a.save_state.is_some(),
+                "--save-state",
+                "saves the state of a --ids / --prompt prefill (--gen 0); --chat keeps its conversation with --history, --serve keeps none",
+            ),
+            (
+                a.load_state.is_some(),
+                "--load-state",
+                "resumes a --ids / --prompt run; --chat resumes a conversation from --history (re-prefilled), --serve starts every request afresh",
+            ),
         ] {
             if given {
-                return Err(Failure::usage(format!(
-                    "{flag} is written by a --ids / --prompt / --batch-ids run; --chat and \
-                     --serve do not write it"
-                )));
+                return Err(Failure::usage(format!("{flag} {what}")));
             }
         }
         return chat_main(a);

@@ -140,6 +140,17 @@ fn cache_trace_is_written_with_resident_experts_and_batch_ids() {
             &[flag, "--chat"],
         );
     }
+    // nor do they save or resume a --ids state (they were silently ignored)
+    for (flag, names) in [("--save-state", "--history"), ("--load-state", "--history")] {
+        // (an address that cannot be bound: a regression fails instead of serving forever)
+        for mode in [&["--chat"][..], &["--serve", "not-an-address"][..]] {
+            expect_fail(
+                &k3(&[&[s(&a), flag, s(&dir.join("x"))][..], mode].concat()),
+                2,
+                &[flag, names],
+            );
+        }
+    }
 }
 
 #[test]

@@ -302,13 +302,9 @@ fn check_manifest(m: &RawManifest, cx: &Cx<'_>, errs: &mut Errors) -> Templates 
     ];
     for (path, e) in eps_fields {
         if let Some(EpsRaw::Value(v)) = e
-            && !(v.is_finite() && v > 0.0)
+            && let Err(msg) = check_eps(v)
         {
-            errs.push(SpecError::new(
-                ErrorKind::Invalid,
-                cx.m(path),
-                format!("an epsilon must be a positive number, found {v}"),
-            ));
+            errs.push(SpecError::new(ErrorKind::Invalid, cx.m(path), msg));
         }
     }
     if let Some(x) = &m.moe {
@@ -515,6 +511,40 @@ pub const MAX_DIM: usize = 1 << 20;
 /// Largest tensor inventory accepted (K3: 497,052), so a bad config cannot exhaust memory.
 pub const MAX_TENSORS: usize = 1 << 24;
 
+/// Largest epsilon accepted (config `rms_norm_eps` and the manifest's eps values). An
+/// epsilon guards `1 / sqrt(mean(x^2) + eps)` against a zero vector; K3 and Kimi-Linear use
+/// 1e-5 and 1e-6. Above 1.0 it no longer guards but rescales: it swamps the mean square of
+/// unit-scale activations and silently shrinks every normalised vector, so such a value is a
+/// corrupted config, not a model.
+pub const MAX_EPS: f64 = 1.0;
+
+/// An epsilon: finite, > 0 (0 divides a zero vector by zero) and at most [`MAX_EPS`].
+fn check_eps(v: f64) -> Result<(), String> {
+    if v.is_finite() && v > 0.0 && v <= MAX_EPS {
+        Ok(())
+    } else {
+        Err(format!(
+            "an epsilon must be a positive number at most {MAX_EPS} (K3: 1e-5), found {v}"
+        ))
+    }
+}
+
+/// A SiTU beta (`activation_situ_beta` β or `activation_situ_linear_beta` β_lin): SiTU
+/// computes `β·tanh(x/β)`, a soft clip to ±β. β = 0 divides by zero (x = 0 gives NaN), a
+/// negative β is no clip bound (the formula is even in β: it computes what |β| does), and a β
+/// beyond the f32 range becomes infinite (∞·0 = NaN). Any finite β > 0 is meaningful: a huge
+/// one tends to no clip at all. K3: 4.0 and 25.0.
+fn check_situ_beta(v: f64) -> Result<(), String> {
+    if v.is_finite() && v > 0.0 && (v as f32).is_finite() {
+        Ok(())
+    } else {
+        Err(format!(
+            "must be a positive number within f32 range (the SiTU soft-clip bound in \
+             beta*tanh(x/beta); K3: 4.0 and 25.0), found {v}"
+        ))
+    }
+}
+
 /// A dimension: 1..=MAX_DIM.
 fn positive(v: usize, place: Place, what: &str, errs: &mut Errors) {
     if v == 0 || v > MAX_DIM {
@@ -552,11 +582,18 @@ fn assemble(
         errs,
     );
     positive(d.vocab_size, cx.c("vocab_size"), "vocab_size", errs);
-    if !(d.rms_norm_eps.is_finite() && d.rms_norm_eps > 0.0) {
+    if let Err(msg) = check_eps(d.rms_norm_eps) {
         errs.push(SpecError::new(
             ErrorKind::Invalid,
             cx.c("rms_norm_eps"),
-            "must be a positive number",
+            msg,
+        ));
+    }
+    if d.max_position_embeddings == Some(0) {
+        errs.push(SpecError::new(
+            ErrorKind::Invalid,
+            cx.c("max_position_embeddings"),
+            "0 positions: must be at least 1 (K3 and Kimi-Linear: 1048576)",
         ));
     }
     if d.tie_word_embeddings {
@@ -640,6 +677,16 @@ fn activation(m: &RawManifest, d: &ConfigDims, cx: &Cx<'_>, errs: &mut Errors) -
                 ));
                 f64::NAN
             });
+            for (key, v) in [
+                ("activation_situ_beta", d.activation_situ_beta),
+                ("activation_situ_linear_beta", d.activation_situ_linear_beta),
+            ] {
+                if let Some(v) = v
+                    && let Err(msg) = check_situ_beta(v)
+                {
+                    errs.push(SpecError::new(ErrorKind::Invalid, cx.c(key), msg));
+                }
+            }
             Activation::Situ {
                 beta: beta as f32,
                 beta_lin: d.activation_situ_linear_beta.map(|b| b as f32),
@@ -1080,11 +1127,16 @@ fn moe_spec(
             "group-limited routing would be active upstream; k3-run does not implement it",
         ));
     }
-    if !c.routed_scaling_factor.is_finite() {
+    let scale = c.routed_scaling_factor;
+    if !(scale.is_finite() && scale > 0.0 && (scale as f32).is_finite()) {
         errs.push(SpecError::new(
             ErrorKind::Invalid,
             cx.c("routed_scaling_factor"),
-            "must be a finite number",
+            format!(
+                "must be a positive number within f32 range (it multiplies the routed \
+                 experts' renormalised weights: 0 drops them, a negative value flips their \
+                 sign; K3: 1.0, Kimi-Linear: 2.446), found {scale}"
+            ),
         ));
     }
     let format = expert_format(x.expert_format);

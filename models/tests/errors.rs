@@ -530,3 +530,51 @@ fn absurd_sizes_are_errors_not_crashes() {
     let e = errors(&manifest(), &c);
     find(&e, ErrorKind::Unsupported, "text_config.num_experts");
 }
+
+/// Config numbers whose value makes the math meaningless are refused at their key and file;
+/// the real values (K3's betas 4 and 25, scale 1.0, eps 1e-5; Kimi-Linear's scale 2.446) and
+/// values that are only unusual (a huge beta tends to no clip) load.
+#[test]
+fn config_numbers_out_of_their_meaningful_range_are_invalid() {
+    let cases: [(&str, Value); 13] = [
+        ("activation_situ_beta", json!(0.0)),
+        ("activation_situ_beta", json!(-4.0)),
+        ("activation_situ_beta", json!(1e39)),
+        ("activation_situ_linear_beta", json!(0.0)),
+        ("activation_situ_linear_beta", json!(-25.0)),
+        ("routed_scaling_factor", json!(0.0)),
+        ("routed_scaling_factor", json!(-1.0)),
+        ("routed_scaling_factor", json!(1e39)),
+        ("rms_norm_eps", json!(0.0)),
+        ("rms_norm_eps", json!(-1e-5)),
+        ("rms_norm_eps", json!(1.5)),
+        ("rms_norm_eps", json!(1e12)),
+        ("max_position_embeddings", json!(0)),
+    ];
+    for (key, v) in cases {
+        let mut c = config();
+        set(&mut c, &format!("/text_config/{key}"), Some(v.clone()));
+        let e = errors(&manifest(), &c);
+        let x = find(&e, ErrorKind::Invalid, &format!("text_config.{key}"));
+        let text = x.to_string();
+        assert!(text.contains(CFILE), "{key} = {v}: names the file: {text}");
+        assert_eq!(e.len(), 1, "{key} = {v}: only this error:\n{e}");
+    }
+    for (key, v) in [
+        ("activation_situ_beta", json!(1e12)),
+        ("activation_situ_linear_beta", json!(1e12)),
+        ("activation_situ_linear_beta", Value::Null),
+        ("routed_scaling_factor", json!(2.446)),
+        ("rms_norm_eps", json!(1.0)),
+        ("rms_norm_eps", json!(1e-6)),
+        ("max_position_embeddings", json!(1)),
+    ] {
+        let mut c = config();
+        set(&mut c, &format!("/text_config/{key}"), Some(v.clone()));
+        load_spec_from_str(&manifest(), MFILE, &c.to_string(), CFILE)
+            .unwrap_or_else(|e| panic!("{key} = {v} must load:\n{e}"));
+    }
+    // The manifest's own epsilons have the same bound.
+    let m = manifest().replace("l2_eps = 1e-6", "l2_eps = 2.0");
+    find(&errors(&m, &config()), ErrorKind::Invalid, "kda.l2_eps");
+}

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -287,6 +287,46 @@ fn config_missing_a_needed_key_exits_2_naming_key_and_file() {
         expect_fail(&o, 2, &[key, cfg_s]);
         // plan reads the same config
         let o = k3(&["plan", tmp.path().to_str().unwrap()]);
+        expect_fail(&o, 2, &[key, cfg_s]);
+    }
+}
+
+/// A config.json value whose number makes the math meaningless (SiTU beta 0 divides by zero,
+/// a routed scaling factor <= 0, an absurd epsilon, 0 positions) is refused before any shard is
+/// read: exit 2 naming the key and the file.
+#[test]
+fn config_number_out_of_range_exits_2_naming_key_and_file() {
+    for (parent, key, value) in [
+        ("/text_config", "activation_situ_beta", json!(0.0)),
+        ("/text_config", "activation_situ_linear_beta", json!(-25.0)),
+        ("/text_config", "routed_scaling_factor", json!(0.0)),
+        ("/text_config", "rms_norm_eps", json!(1e12)),
+        ("/text_config", "max_position_embeddings", json!(0)),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(fixture_a().join("config.json")).unwrap();
+        let mut v: Value = serde_json::from_str(&text).unwrap();
+        let obj = v
+            .pointer_mut(parent)
+            .and_then(Value::as_object_mut)
+            .unwrap();
+        assert!(
+            obj.insert(key.to_string(), value).is_some(),
+            "fixture A has {key}"
+        );
+        let cfg = tmp.path().join("config.json");
+        std::fs::write(&cfg, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let cfg_s = cfg.to_str().unwrap();
+        let a = fixture_a();
+        let o = k3(&[
+            a.to_str().unwrap(),
+            "--config",
+            cfg_s,
+            "--ids",
+            "1,2",
+            "--gen",
+            "1",
+        ]);
         expect_fail(&o, 2, &[key, cfg_s]);
     }
 }

@@ -548,3 +548,67 @@ fn random_corruption_never_panics() {
         "only {errs} of 300 corruptions detected ({ok} opened)"
     );
 }
+
+/// A shard path that exists but is no regular file is said to be what it is, naming the path
+/// (it used to be reported as "shard file is missing"); a dangling symlink names its target.
+#[test]
+fn shard_path_that_is_not_a_regular_file_says_what_it_is() {
+    use std::os::unix::fs::symlink;
+    let name = "model-00002-of-00004.safetensors";
+    type Make = fn(&Path);
+    let cases: [(&str, Make, &str); 5] = [
+        ("dir", |p| fs::create_dir(p).unwrap(), "is a directory"),
+        (
+            "fifo",
+            |p| {
+                let ok = std::process::Command::new("mkfifo")
+                    .arg(p)
+                    .status()
+                    .unwrap();
+                assert!(ok.success(), "mkfifo");
+            },
+            "is a FIFO",
+        ),
+        (
+            "devnull",
+            |p| symlink("/dev/null", p).unwrap(),
+            "is a character device",
+        ),
+        (
+            "loop",
+            |p| symlink(p.file_name().unwrap(), p).unwrap(),
+            "symlink loop",
+        ),
+        (
+            "dangling",
+            |p| symlink("/nonexistent/nowhere.safetensors", p).unwrap(),
+            "symlink to /nonexistent/nowhere.safetensors, which does not exist",
+        ),
+    ];
+    for (case, make, says) in cases {
+        let f = fixture();
+        let path = f.dir.join(name);
+        fs::remove_file(&path).unwrap();
+        make(&path);
+        let err = f.open().unwrap_err();
+        let CheckpointError::ShardNotRegular { tensor, .. } = &err else {
+            panic!("{case}: wrong variant: {err:?}");
+        };
+        assert_names(&err, &path, Some(tensor));
+        let msg = err.to_string();
+        assert!(msg.contains(says), "{case}: says {says:?}: {msg}");
+        assert!(!msg.contains("missing"), "{case}: not 'missing': {msg}");
+    }
+    // The index itself as a directory: said so, not "no checkpoint".
+    let f = fixture();
+    let index = f.dir.join("model.safetensors.index.json");
+    fs::remove_file(&index).unwrap();
+    fs::create_dir(&index).unwrap();
+    let err = f.open().unwrap_err();
+    assert!(matches!(err, CheckpointError::NotRegular { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(index.to_str().unwrap()) && msg.contains("is a directory"),
+        "{msg}"
+    );
+}

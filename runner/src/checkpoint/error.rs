@@ -17,6 +17,10 @@ pub enum CheckpointError {
     )]
     NoCheckpoint { dir: PathBuf },
 
+    /// `model.safetensors.index.json` or `model.safetensors` exists but is no regular file.
+    #[error("{}: {what}", file.display())]
+    NotRegular { file: PathBuf, what: String },
+
     /// An operating-system error reading a file.
     #[error("{}: cannot read ({what}): {source}", file.display())]
     Io {
@@ -30,7 +34,7 @@ pub enum CheckpointError {
     #[error("{}: invalid index: {msg}", file.display())]
     IndexInvalid { file: PathBuf, msg: String },
 
-    /// The index maps tensors to a shard file that does not exist.
+    /// The index maps tensors to a shard file that does not exist (nothing at the path).
     #[error(
         "{}: shard file is missing; the index {} maps {n_tensors} tensor(s) to it, e.g. tensor {tensor}",
         file.display(), index.display()
@@ -38,6 +42,21 @@ pub enum CheckpointError {
     MissingShard {
         file: PathBuf,
         index: PathBuf,
+        tensor: String,
+        n_tensors: usize,
+    },
+
+    /// The index maps tensors to a path that exists but is no regular file (a directory, a
+    /// device, a FIFO, a symlink loop or a symlink to nothing) or cannot be examined.
+    #[error(
+        "{}: shard {what}; the index {} maps {n_tensors} tensor(s) to it, e.g. tensor {tensor}",
+        file.display(), index.display()
+    )]
+    ShardNotRegular {
+        file: PathBuf,
+        index: PathBuf,
+        /// What the path is, e.g. "is a directory, not a regular file".
+        what: String,
         tensor: String,
         n_tensors: usize,
     },

@@ -197,6 +197,55 @@ pub fn read_index_with_total(
     Ok((out, total))
 }
 
+/// What is at a shard path.
+enum ShardKind {
+    /// A regular file (or a symlink to one).
+    Regular,
+    /// Nothing at all.
+    Missing,
+    /// Something that cannot be a shard, described ("is a directory, not a regular file").
+    Other(String),
+}
+
+fn shard_kind(path: &Path) -> ShardKind {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => ShardKind::Regular,
+        Ok(m) => ShardKind::Other(format!(
+            "{}, not a regular file",
+            describe_file_type(m.file_type())
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
+            Ok(target) => ShardKind::Other(format!(
+                "is a symlink to {}, which does not exist",
+                target.display()
+            )),
+            Err(_) => ShardKind::Missing,
+        },
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            ShardKind::Other(format!("is a symlink loop ({e})"))
+        }
+        Err(e) => ShardKind::Other(format!("cannot be examined ({e})")),
+    }
+}
+
+/// "is a directory", "is a FIFO (named pipe)", ... for a path that is not a regular file.
+pub fn describe_file_type(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "is a directory"
+    } else if t.is_fifo() {
+        "is a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "is a character device"
+    } else if t.is_block_device() {
+        "is a block device"
+    } else if t.is_socket() {
+        "is a socket"
+    } else {
+        "is not a regular file"
+    }
+}
+
 fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {
     let file = File::open(&header.path).map_err(|e| io_err(&header.path, "open shard", e))?;
     // SAFETY: the mapping is read-only and private to this process; the checkpoint contract
@@ -285,6 +334,20 @@ impl Checkpoint {
     fn open_files(dir: &Path, spec: Option<&ModelSpec>) -> Result<Checkpoint, CheckpointError> {
         let index_path = dir.join(INDEX_FILE);
         let single = dir.join(SINGLE_FILE);
+        // An index (else a single file) that is there but no regular file is said so, not
+        // reported as "no checkpoint".
+        for p in [&index_path, &single] {
+            match shard_kind(p) {
+                ShardKind::Regular => break,
+                ShardKind::Missing => {}
+                ShardKind::Other(what) => {
+                    return Err(CheckpointError::NotRegular {
+                        file: p.clone(),
+                        what,
+                    });
+                }
+            }
+        }
         let index = if index_path.is_file() {
             Some(read_index(&index_path)?)
         } else if single.is_file() {
@@ -316,13 +379,26 @@ impl Checkpoint {
         by_file.retain(|file_name, names| dir.join(file_name).is_file() || !not_needed(names));
         for (file_name, names) in &by_file {
             let path = dir.join(file_name);
-            if !path.is_file() {
-                return Err(CheckpointError::MissingShard {
-                    file: path,
-                    index: index_path.clone(),
-                    tensor: names.first().map_or_else(String::new, |s| s.to_string()),
-                    n_tensors: names.len(),
-                });
+            let tensor = names.first().map_or_else(String::new, |s| s.to_string());
+            match shard_kind(&path) {
+                ShardKind::Regular => {}
+                ShardKind::Missing => {
+                    return Err(CheckpointError::MissingShard {
+                        file: path,
+                        index: index_path.clone(),
+                        tensor,
+                        n_tensors: names.len(),
+                    });
+                }
+                ShardKind::Other(what) => {
+                    return Err(CheckpointError::ShardNotRegular {
+                        file: path,
+                        index: index_path.clone(),
+                        what,
+                        tensor,
+                        n_tensors: names.len(),
+                    });
+                }
             }
         }
         for (file_name, names) in &by_file {

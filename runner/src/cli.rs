@@ -889,7 +889,9 @@ fn resident_mode(m: &MemArgs) -> Result<crate::resident::ResidentMode, Failure> 
 fn stream_failure(e: crate::stream::StreamError) -> Failure {
     use crate::stream::StreamError;
     let code = match &e {
-        StreamError::Config(_) | StreamError::Plan(_) => exit::USAGE,
+        StreamError::Config(_) | StreamError::Plan(_) | StreamError::TrunkManifest { .. } => {
+            exit::USAGE
+        }
         _ => exit::FORWARD,
     };
     Failure {

@@ -331,6 +331,44 @@ fn config_number_out_of_range_exits_2_naming_key_and_file() {
     }
 }
 
+/// A packed trunk whose trunk.json does not add up (`packed_bytes` is not the sum of the layer
+/// sizes) or whose trunk.bin is a directory is refused before the run: exit 2 naming the
+/// field or the file.
+#[test]
+fn an_inconsistent_packed_trunk_exits_2_naming_the_field() {
+    let a = fixture_a();
+    let tmp = tempfile::tempdir().unwrap();
+    let trunk = tmp.path().join("trunk");
+    let o = k3(&["pack-trunk", a.to_str().unwrap(), trunk.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let run = |t: &Path| {
+        k3(&[
+            a.to_str().unwrap(),
+            "--trunk",
+            t.to_str().unwrap(),
+            "--ids",
+            "1,2",
+            "--gen",
+            "1",
+        ])
+    };
+    let mut m = trunk_json(&trunk);
+    let packed = m["packed_bytes"].as_u64().unwrap();
+    m["packed_bytes"] = json!(packed + 4096);
+    std::fs::write(trunk.join("trunk.json"), m.to_string()).unwrap();
+    expect_fail(&run(&trunk), 2, &["trunk.json", "packed_bytes"]);
+    m["packed_bytes"] = json!(packed);
+    std::fs::write(trunk.join("trunk.json"), m.to_string()).unwrap();
+    let bin = trunk.join("trunk.bin");
+    std::fs::remove_file(&bin).unwrap();
+    std::fs::create_dir(&bin).unwrap();
+    expect_fail(
+        &run(&trunk),
+        2,
+        &[bin.to_str().unwrap(), "is a directory, not a regular file"],
+    );
+}
+
 /// Runs fixture A with the reference prompt and --gen; returns (json, dumped logits bytes, stdout).
 fn run_a(extra: &[&str], env: &[(&str, &str)]) -> (Value, Vec<u8>, String) {
     let s = summary_a();

@@ -276,3 +276,104 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         "{msg}"
     );
 }
+
+/// A trunk.bin that is no regular file (a directory, a FIFO) is said to be that, not an
+/// "incomplete" pack of 4096 or 0 bytes; a trunk.json that is a FIFO is refused, not read
+/// forever.
+#[test]
+fn a_trunk_bin_that_is_not_a_regular_file_is_said_to_be_that() {
+    let dir = test_dir("pack_bin_not_regular");
+    let (model, spec) = synth_tiny(&dir, 5);
+    let out = dir.join("trunk");
+    pack_trunk(&model, &spec, &out, false).expect("pack");
+    let bin = out.join(TRUNK_BIN);
+    std::fs::remove_file(&bin).expect("rm trunk.bin");
+    std::fs::create_dir(&bin).expect("trunk.bin as a directory");
+    let e = TrunkManifest::load(&out, &spec)
+        .expect_err("directory trunk.bin")
+        .to_string();
+    assert!(
+        e.contains(bin.to_str().unwrap()) && e.contains("is a directory, not a regular file"),
+        "{e}"
+    );
+    assert!(!e.contains("incomplete"), "{e}");
+    std::fs::remove_dir(&bin).expect("rmdir");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&bin)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let e = TrunkManifest::load(&out, &spec)
+        .expect_err("FIFO trunk.bin")
+        .to_string();
+    assert!(
+        e.contains("is a FIFO") && e.contains("not a regular file"),
+        "{e}"
+    );
+    let json = out.join(TRUNK_JSON);
+    std::fs::remove_file(&json).expect("rm trunk.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&json)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let e = TrunkManifest::load(&out, &spec)
+        .expect_err("FIFO trunk.json")
+        .to_string();
+    assert!(
+        e.contains(json.to_str().unwrap()) && e.contains("is a FIFO"),
+        "{e}"
+    );
+}
+
+/// trunk.json's derivable summary fields must agree with the layers they summarise, and
+/// `model` with the model being run: a mismatch refuses the trunk naming the field.
+#[test]
+fn trunk_json_summary_fields_are_checked() {
+    use k3_run::stream::pack::pack_trunk_with;
+    let dir = test_dir("pack_summary_fields");
+    let (model, spec) = synth_tiny(&dir, 5);
+    let raw = dir.join("raw");
+    pack_trunk(&model, &spec, &raw, false).expect("pack");
+    let z = dir.join("z");
+    pack_trunk_with(&model, &spec, &z, false, Some(8 << 10)).expect("compressed pack");
+    let read = |d: &std::path::Path| -> TrunkManifest {
+        serde_json::from_slice(&std::fs::read(d.join(TRUNK_JSON)).expect("read")).expect("parse")
+    };
+    let good = read(&raw);
+    good.validate(&spec).expect("the pack as written validates");
+    let good_z = read(&z);
+    good_z
+        .validate(&spec)
+        .expect("the compressed pack validates");
+
+    let mut m = good.clone();
+    m.packed_bytes += 1;
+    let e = m.validate(&spec).expect_err("packed_bytes + 1");
+    assert!(e.contains("packed_bytes"), "{e}");
+
+    let mut m = good.clone();
+    m.model = "some-other-model".into();
+    let e = m.validate(&spec).expect_err("model");
+    assert!(e.contains("model") && e.contains("some-other-model"), "{e}");
+
+    let mut m = good.clone();
+    m.layers[2].size += 1;
+    m.packed_bytes += 1;
+    let e = m.validate(&spec).expect_err("layer size + 1");
+    assert!(e.contains("layer 2") && e.contains("size"), "{e}");
+
+    let mut m = good_z.clone();
+    m.compression.as_mut().expect("compressed").stored_bytes += 1;
+    let e = m.validate(&spec).expect_err("stored_bytes + 1");
+    assert!(e.contains("stored_bytes"), "{e}");
+
+    // Through load, from the files: the refusal names trunk.json.
+    let mut m = good;
+    m.packed_bytes -= 1;
+    std::fs::write(raw.join(TRUNK_JSON), serde_json::to_vec(&m).expect("json")).expect("write");
+    let e = TrunkManifest::load(&raw, &spec)
+        .expect_err("load refuses")
+        .to_string();
+    assert!(e.contains(TRUNK_JSON) && e.contains("packed_bytes"), "{e}");
+}

@@ -44,8 +44,14 @@ pub enum StreamError {
     Config(String),
     #[error("pack-trunk: {0}")]
     Pack(String),
+    /// A packed trunk that fails while it is read (a record that does not decode, a short map).
     #[error("packed trunk {path}: {msg}")]
     Trunk { path: String, msg: String },
+    /// A packed trunk refused at open: trunk.json missing, unreadable, inconsistent in itself,
+    /// with its trunk.bin or with the model (exit 2: a config that cannot be read with
+    /// confidence).
+    #[error("packed trunk {path}: {msg}")]
+    TrunkManifest { path: String, msg: String },
     #[error("{0}")]
     Invalid(String),
 }

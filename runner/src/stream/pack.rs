@@ -612,12 +612,25 @@ pub fn run(
 }
 
 impl TrunkManifest {
-    /// Read `dir/trunk.json` and check it against `trunk.bin` and `spec`.
+    /// Read `dir/trunk.json` and check it against `trunk.bin` and `spec`. Every refusal is a
+    /// [`StreamError::TrunkManifest`] (exit 2).
     pub fn load(dir: &Path, spec: &ModelSpec) -> Result<Self, StreamError> {
         let json = dir.join(TRUNK_JSON);
+        // A FIFO or device would be read forever (or block): only a regular file is read.
+        if let Ok(meta) = std::fs::metadata(&json)
+            && !meta.is_file()
+        {
+            return Err(StreamError::TrunkManifest {
+                path: json.display().to_string(),
+                msg: format!(
+                    "{}, not a regular file",
+                    crate::checkpoint::describe_file_type(meta.file_type())
+                ),
+            });
+        }
         let text = std::fs::read(&json).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
-                StreamError::Trunk {
+                StreamError::TrunkManifest {
                     path: dir.display().to_string(),
                     msg: format!(
                         "no {TRUNK_JSON}: not a packed trunk, or the pack did not finish (run \
@@ -626,19 +639,36 @@ impl TrunkManifest {
                     ),
                 }
             } else {
-                StreamError::io("read", &json, e)
+                StreamError::TrunkManifest {
+                    path: json.display().to_string(),
+                    msg: format!("cannot read: {e}"),
+                }
             }
         })?;
-        let m: TrunkManifest = serde_json::from_slice(&text).map_err(|e| StreamError::Trunk {
-            path: json.display().to_string(),
-            msg: e.to_string(),
-        })?;
+        let m: TrunkManifest =
+            serde_json::from_slice(&text).map_err(|e| StreamError::TrunkManifest {
+                path: json.display().to_string(),
+                msg: e.to_string(),
+            })?;
         let bin = dir.join(TRUNK_BIN);
-        let len = std::fs::metadata(&bin)
-            .map_err(|e| StreamError::io("stat", &bin, e))?
-            .len();
+        let meta = std::fs::metadata(&bin).map_err(|e| StreamError::TrunkManifest {
+            path: bin.display().to_string(),
+            msg: format!("cannot stat: {e}"),
+        })?;
+        if !meta.is_file() {
+            return Err(StreamError::TrunkManifest {
+                path: bin.display().to_string(),
+                msg: format!(
+                    "{}, not a regular file: a packed trunk's layers are read from a file \
+                     (run `k3-run pack-trunk MODEL_DIR {}`)",
+                    crate::checkpoint::describe_file_type(meta.file_type()),
+                    dir.display()
+                ),
+            });
+        }
+        let len = meta.len();
         if len != m.file_bytes {
-            return Err(StreamError::Trunk {
+            return Err(StreamError::TrunkManifest {
                 path: bin.display().to_string(),
                 msg: format!(
                     "is {len} bytes but {TRUNK_JSON} records {}; the pack is incomplete or \
@@ -647,7 +677,7 @@ impl TrunkManifest {
                 ),
             });
         }
-        m.validate(spec).map_err(|msg| StreamError::Trunk {
+        m.validate(spec).map_err(|msg| StreamError::TrunkManifest {
             path: json.display().to_string(),
             msg,
         })?;
@@ -685,6 +715,13 @@ impl TrunkManifest {
                 c.codec,
                 c.chunk_bytes,
                 compress::CODEC
+            ));
+        }
+        if self.model != spec.name {
+            return Err(format!(
+                "model {:?}: packed for another model than {:?} (the manifest's name); pack \
+                 again for this one",
+                self.model, spec.name
             ));
         }
         // Under `--layers N` the spec binds the first N of the packed layers.
@@ -777,6 +814,41 @@ impl TrunkManifest {
                     ));
                 };
                 tend = end;
+            }
+            // pack-trunk copies one contiguous range from the first tensor to the end of the
+            // last: the layer is exactly as long as that.
+            if tend != pl.size {
+                return Err(format!(
+                    "layer {i}: size {} but its tensors end at +{tend}",
+                    pl.size
+                ));
+            }
+        }
+        let sum: u64 = self
+            .layers
+            .iter()
+            .try_fold(0u64, |a, l| a.checked_add(l.size))
+            .unwrap_or(u64::MAX);
+        if self.packed_bytes != sum {
+            return Err(format!(
+                "packed_bytes {} is not the sum of the layer sizes ({sum})",
+                self.packed_bytes
+            ));
+        }
+        if let Some(c) = &self.compression {
+            let stored: u64 = self
+                .layers
+                .iter()
+                .filter_map(|l| l.stored.as_ref())
+                .flat_map(|s| s.chunks.iter())
+                .try_fold(0u64, |a, ch| a.checked_add(ch.len))
+                .unwrap_or(u64::MAX);
+            if c.stored_bytes != stored {
+                return Err(format!(
+                    "compression.stored_bytes {} is not the sum of the layers' record \
+                     lengths ({stored})",
+                    c.stored_bytes
+                ));
             }
         }
         Ok(())

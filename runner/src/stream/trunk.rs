@@ -276,7 +276,9 @@ fn weight_err(layer: usize, e: StreamError) -> WeightError {
             source,
         },
         // Already names the file, layer and chunk.
-        e @ StreamError::Trunk { .. } => WeightError::Trunk(e.to_string()),
+        e @ (StreamError::Trunk { .. } | StreamError::TrunkManifest { .. }) => {
+            WeightError::Trunk(e.to_string())
+        }
         other => WeightError::Trunk(format!("packed trunk layer {layer}: {other}")),
     }
 }

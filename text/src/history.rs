@@ -38,15 +38,41 @@ pub enum HistoryError {
     TornTail { path: PathBuf },
     #[error("cannot serialise the record for {}: {msg}", path.display())]
     Serialize { path: PathBuf, msg: String },
-    #[error(
-        "--system does not match the history's initial system record in {} \
-         (stored: {stored:?})",
-        path.display()
-    )]
+    #[error("{}", system_mismatch(path, stored.as_deref()))]
     SystemMismatch {
         path: PathBuf,
         stored: Option<String>,
     },
+}
+
+/// Longest stored system prompt quoted whole in [`HistoryError::SystemMismatch`].
+const SHOWN_SYSTEM_CHARS: usize = 200;
+
+/// The plain-text message of [`HistoryError::SystemMismatch`]: the stored prompt as text
+/// (cut after [`SHOWN_SYSTEM_CHARS`] characters), or that there is none.
+fn system_mismatch(path: &Path, stored: Option<&str>) -> String {
+    match stored {
+        Some(s) => {
+            let n = s.chars().count();
+            let shown: String = s.chars().take(SHOWN_SYSTEM_CHARS).collect();
+            let cut = if n > SHOWN_SYSTEM_CHARS {
+                format!("... ({n} characters in all)")
+            } else {
+                String::new()
+            };
+            format!(
+                "--system does not match the system prompt stored at the start of the history \
+                 {}, which is: {shown}{cut} -- give that text to --system, or leave the flag \
+                 out to resume with the stored one",
+                path.display()
+            )
+        }
+        None => format!(
+            "--system was given but the history {} has no system prompt at its start -- leave \
+             the flag out to resume it, or start a new history file",
+            path.display()
+        ),
+    }
 }
 
 /// Read and validate every line of a history file. Empty file → no messages. A line that is

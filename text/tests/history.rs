@@ -135,9 +135,40 @@ fn system_flag_must_match_stored_record() {
     let e = history::check_system(&msgs, Some("T"), p)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("h.jsonl") && e.contains("\"S\""), "{e}");
+    assert!(e.contains("h.jsonl") && e.contains("which is: S "), "{e}");
+    // Plain text: no Rust Debug rendering (`Some(..)`, quotes, escaped newlines).
+    let multi = vec![
+        Message::system("Be brief.\nUse \"plain\" words."),
+        Message::user("u"),
+    ];
+    let e = history::check_system(&multi, Some("T"), p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("which is: Be brief.\nUse \"plain\" words. --"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("Some(") && !e.contains("\\n") && !e.contains("\\\""),
+        "{e}"
+    );
+    let long = vec![Message::system(&"x".repeat(500)), Message::user("u")];
+    let e = history::check_system(&long, Some("T"), p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("{}... (500 characters in all)", "x".repeat(200))),
+        "{e}"
+    );
     let no_system = vec![Message::user("u")];
-    assert!(history::check_system(&no_system, Some("S"), p).is_err());
+    let e = history::check_system(&no_system, Some("S"), p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("h.jsonl") && e.contains("has no system prompt"),
+        "{e}"
+    );
+    assert!(!e.contains("None"), "{e}");
     assert!(history::check_system(&[], Some("S"), p).is_ok());
 }
 

@@ -77,7 +77,8 @@ pub struct DoctorArgs {
     /// expert pattern) and/or sequential (blocks in file order, N in flight: the trunk pattern).
     #[arg(long, value_delimiter = ',', default_value = "random,sequential")]
     pub order: Vec<ReadOrder>,
-    /// Upper bound on the seconds spent reading at each queue depth.
+    /// Upper bound on the seconds spent reading at each queue depth (0.1..=3600; a pass over
+    /// the file ends the measurement earlier).
     #[arg(long, default_value_t = 10.0)]
     pub seconds: f64,
     /// DRAM test buffer in MiB (far larger than the last-level cache).
@@ -474,6 +475,13 @@ fn read_at_qd(
         ));
     }
     let reads = lat.len();
+    if reads == 0 {
+        return Err(format!(
+            "no read of {} KiB at queue depth {qd} finished within --seconds {max_seconds}: no \
+             figure to report",
+            block / 1024
+        ));
+    }
     let bytes = (reads * block) as u64;
     let med = quantile(&mut lat, 0.5) * 1e3;
     let p99 = quantile(&mut lat, 0.99) * 1e3;
@@ -734,7 +742,28 @@ fn shell_path(p: &Path) -> String {
 }
 
 /// Run `doctor`; returns the exit code.
+/// Shortest `--seconds` accepted: below it a queue depth of 16 has hardly issued its first
+/// reads (8 MiB each), so the figures would be start-up noise or, at 0, no reads at all
+/// (0 MB/s, 0 ms latencies and an I/O floor of 1e12 s per GB).
+pub const MIN_SECONDS: f64 = 0.1;
+/// Longest `--seconds` accepted: an hour per queue depth and read order is a typo, not a
+/// measurement (default 10 s; one pass over the file ends a measurement earlier anyway).
+pub const MAX_SECONDS: f64 = 3600.0;
+
+/// Refuse flag values that cannot give a meaningful figure, before anything is measured.
+fn check_args(a: &DoctorArgs) -> Result<(), Failure> {
+    if !(a.seconds.is_finite() && (MIN_SECONDS..=MAX_SECONDS).contains(&a.seconds)) {
+        return Err(Failure::usage(format!(
+            "--seconds {}: must be a number of seconds in {MIN_SECONDS}..={MAX_SECONDS} (the \
+             time spent reading at each queue depth)",
+            a.seconds
+        )));
+    }
+    Ok(())
+}
+
 pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
+    check_args(a)?;
     let stop = Arc::new(AtomicBool::new(false));
     // first Ctrl-C: stop the measurement and remove the test file; second: default action
     let _ = signal_hook::flag::register_conditional_shutdown(

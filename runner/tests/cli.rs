@@ -369,6 +369,31 @@ fn an_inconsistent_packed_trunk_exits_2_naming_the_field() {
     );
 }
 
+/// `doctor --seconds` outside 0.1..=3600 (0, negative, NaN, infinite, absurdly long) is a
+/// usage error before anything is measured; 0 used to print 0 MB/s, 0 ms latencies and an
+/// I/O floor of 1e12 s per GB.
+#[test]
+fn doctor_refuses_a_meaningless_seconds_value() {
+    let tmp = tempfile::tempdir().unwrap();
+    for bad in ["0", "-1", "NaN", "inf", "0.01", "1e9"] {
+        let o = k3(&[
+            "doctor",
+            "--no-dram",
+            "--dir",
+            tmp.path().to_str().unwrap(),
+            "--size-gb",
+            "0.01",
+            &format!("--seconds={bad}"),
+        ]);
+        let err = expect_fail(&o, 2, &["--seconds", "0.1..=3600"]);
+        assert!(
+            stdout(&o).is_empty(),
+            "--seconds {bad}: refused before any measurement: {}\n{err}",
+            stdout(&o)
+        );
+    }
+}
+
 /// Runs fixture A with the reference prompt and --gen; returns (json, dumped logits bytes, stdout).
 fn run_a(extra: &[&str], env: &[(&str, &str)]) -> (Value, Vec<u8>, String) {
     let s = summary_a();

@@ -476,3 +476,48 @@ fn serve_batch_flags_are_checked() {
         assert!(err.contains("--chat or --serve"), "{flag:?}: {err}");
     }
 }
+
+/// The 400s an HTTP client reads: a limit names the field it sent (`max_completion_tokens`,
+/// not `max_tokens`), and a conversation longer than the server's context says so in server
+/// terms (no REPL `/reset`, no "history is kept"), served alone and batched.
+#[test]
+fn refusals_name_what_the_client_sent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = synth_model(dir.path());
+    for extra in [
+        &["--max-context", "600"][..],
+        &["--max-context", "600", "--serve-batch", "2"],
+    ] {
+        let srv = start(&model, extra);
+        let p = srv.port;
+        let user = json!([{"role": "user", "content": "x"}]);
+        for (body, needle, not) in [
+            (
+                json!({"messages": user, "max_completion_tokens": 0}),
+                "`max_completion_tokens` 0",
+                "`max_tokens`",
+            ),
+            (
+                json!({"messages": user, "max_tokens": 5000}),
+                "`max_tokens` 5000",
+                "max_completion_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "word ".repeat(1000)}],
+                    "max_tokens": 2}),
+                "--max-context",
+                "/reset",
+            ),
+        ] {
+            let (st, v) = post(p, &body);
+            assert_eq!(st, 400, "{extra:?}: {body} -> {v}");
+            let msg = v["error"]["message"].as_str().unwrap();
+            assert!(msg.contains(needle), "{extra:?}: {body} -> {msg}");
+            assert!(!msg.contains(not), "{extra:?}: {body} -> {msg}");
+            assert!(!msg.contains("history is kept"), "{extra:?}: {msg}");
+        }
+        // Still serving: a request that fits is answered.
+        let (st, v) = post(p, &json!({"messages": user, "max_tokens": 2}));
+        assert_eq!(st, 200, "{extra:?}: {v}");
+    }
+}

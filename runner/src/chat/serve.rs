@@ -446,13 +446,16 @@ struct Turn {
 
 impl Turn {
     fn of(spec: &ModelSpec, r: ChatRequest, default_n_gen: usize) -> Result<Turn, HttpError> {
-        let n_gen = r
-            .max_completion_tokens
-            .or(r.max_tokens)
-            .unwrap_or(default_n_gen);
+        // The error names the field the client sent (`max_completion_tokens` wins when both
+        // are given, as in OpenAI's API).
+        let (field, n_gen) = match (r.max_completion_tokens, r.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", n),
+            (None, Some(n)) => ("max_tokens", n),
+            (None, None) => ("max_tokens", default_n_gen),
+        };
         if n_gen == 0 || n_gen > super::repl::MAX_GEN {
             return Err(HttpError::bad(format!(
-                "`max_tokens` {n_gen}: 1..={} tokens per reply",
+                "`{field}` {n_gen}: must be 1..={} tokens per reply",
                 super::repl::MAX_GEN
             )));
         }
@@ -555,7 +558,7 @@ impl ReplySink {
                     } else {
                         "invalid_request_error"
                     },
-                    message: e.to_string(),
+                    message: http_message(e),
                 });
             }
         };
@@ -594,6 +597,20 @@ impl ReplySink {
         } else if let Some(req) = self.req.take() {
             respond_json(req, e.status, e.body());
         }
+    }
+}
+
+/// A turn's error as an HTTP client should read it. The chat session's context message is
+/// written for the REPL (`/reset`, "the history is kept"); a request has no history on the
+/// server and no `/reset`: it must send a shorter conversation.
+fn http_message(e: &SessionError) -> String {
+    match e {
+        SessionError::ContextTooLong { needed, max } => format!(
+            "`messages`: the rendered conversation is {needed} tokens but the server's context \
+             holds {max} positions (fixed when it started, --max-context): send a shorter \
+             conversation"
+        ),
+        other => other.to_string(),
     }
 }
 

@@ -502,6 +502,15 @@ fn refusals_name_what_the_client_sent() {
                 "`max_tokens` 5000",
                 "max_completion_tokens",
             ),
+            // The position of the tool record, as plain text (not its content in Rust Debug
+            // quotes).
+            (
+                json!({"messages": [{"role": "user", "content": "a"},
+                    {"role": "tool", "content": "r\"q", "name": "f"},
+                    {"role": "user", "content": "b"}]}),
+                "`messages`[1]: a tool result",
+                "\\\"",
+            ),
             (
                 json!({"messages": [{"role": "user", "content": "word ".repeat(1000)}],
                     "max_tokens": 2}),

@@ -176,10 +176,10 @@ impl ChatRequest {
         if last.role != Role::User {
             return Err("`messages`: the last message must be from the user".into());
         }
-        if let Some(m) = self.messages.iter().find(|m| m.role == Role::Tool) {
+        if let Some(i) = self.messages.iter().position(|m| m.role == Role::Tool) {
             return Err(format!(
-                "`messages`: tool records are not supported ({:?})",
-                m.content
+                "`messages`[{i}]: a tool result (role \"tool\"): tool calling is not \
+                 supported by this server"
             ));
         }
         Ok(())

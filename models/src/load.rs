@@ -29,15 +29,42 @@ use crate::spec::{
 };
 
 /// `std::fs::read_to_string` of a regular file only: a FIFO or a device named as a config
-/// is an error, not a read that blocks or never ends.
+/// is an error, not a read that blocks (a FIFO without a writer) or never ends (`/dev/zero`).
 pub fn read_regular_file(p: &Path) -> std::io::Result<String> {
-    if !std::fs::metadata(p)?.is_file() {
+    let bytes = read_regular_bytes(p)?;
+    String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+}
+
+/// `std::fs::read` of a regular file only (see [`read_regular_file`]); the error says what the
+/// path is instead ("is a directory, not a regular file").
+pub fn read_regular_bytes(p: &Path) -> std::io::Result<Vec<u8>> {
+    let t = std::fs::metadata(p)?.file_type();
+    if !t.is_file() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
-            "not a regular file",
+            format!("{}, not a regular file", describe_file_type(t)),
         ));
     }
-    std::fs::read_to_string(p)
+    std::fs::read(p)
+}
+
+/// "is a directory", "is a FIFO (named pipe)", ... for a path that is not a regular file.
+pub fn describe_file_type(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "is a directory"
+    } else if t.is_fifo() {
+        "is a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "is a character device"
+    } else if t.is_block_device() {
+        "is a block device"
+    } else if t.is_socket() {
+        "is a socket"
+    } else {
+        "is not a regular file"
+    }
 }
 
 /// Load a model description: the manifest TOML and the checkpoint's config.json.
@@ -66,7 +93,7 @@ pub fn load_spec(manifest_path: &Path, config_json_path: &Path) -> Result<ModelS
 /// Read and parse a manifest file (stage one only).
 pub fn load_manifest(manifest_path: &Path) -> Result<RawManifest, SpecErrors> {
     let file = manifest_path.display().to_string();
-    let text = std::fs::read_to_string(manifest_path).map_err(|e| {
+    let text = read_regular_file(manifest_path).map_err(|e| {
         SpecErrors(vec![SpecError::new(
             ErrorKind::Io,
             Place::File { file: file.clone() },

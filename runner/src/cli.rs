@@ -413,9 +413,7 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
     let ids = match (&a.prompt, &a.prompt_file) {
         (Some(p), _) => tok.encode_text(p),
         (None, Some(f)) => {
-            let bytes = std::fs::read(f).map_err(|e| {
-                Failure::usage(format!("cannot read --prompt-file {}: {e}", f.display()))
-            })?;
+            let bytes = read_prompt_file(f)?;
             tok.encode_bytes(&bytes, &f.display().to_string())
         }
         (None, None) => unreachable!("checked above: exactly one prompt source"),
@@ -630,7 +628,7 @@ enum ConfigKind {
 }
 
 fn config_kind(path: &Path) -> ConfigKind {
-    let Ok(text) = std::fs::read_to_string(path) else {
+    let Ok(text) = k3_models::load::read_regular_file(path) else {
         return ConfigKind::Other;
     };
     if serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| v.is_object()) {
@@ -1736,6 +1734,36 @@ fn edit_distance(a: &str, b: &str) -> usize {
         prev = cur;
     }
     prev[b.len()]
+}
+
+/// The most `--prompt-file` bytes read: far beyond any context (a token is several bytes), and
+/// a bound on what a mistaken `/dev/zero` or endless pipe can take.
+const PROMPT_FILE_MAX: u64 = 64 << 20;
+
+/// `--prompt-file FILE`: a file, or a pipe (`/dev/stdin`, `<(cmd)`) read to its end, up to
+/// [`PROMPT_FILE_MAX`] bytes; a directory is refused by name.
+fn read_prompt_file(f: &Path) -> Result<Vec<u8>, Failure> {
+    use std::io::Read;
+    let fail = |e: &dyn std::fmt::Display| {
+        Failure::usage(format!("cannot read --prompt-file {}: {e}", f.display()))
+    };
+    let t = std::fs::metadata(f).map_err(|e| fail(&e))?.file_type();
+    if t.is_dir() {
+        return Err(fail(&"is a directory"));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(f)
+        .map_err(|e| fail(&e))?
+        .take(PROMPT_FILE_MAX + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| fail(&e))?;
+    if bytes.len() as u64 > PROMPT_FILE_MAX {
+        return Err(fail(&format!(
+            "longer than {} MiB, far beyond any context",
+            PROMPT_FILE_MAX >> 20
+        )));
+    }
+    Ok(bytes)
 }
 
 /// Output piped into a reader that stops early (`k3-run plan M | head`) ends the process

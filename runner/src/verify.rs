@@ -97,8 +97,8 @@ fn signed_diff(have: u64, want: u64) -> String {
 
 /// Published sizes from `--sizes`: `{"name": size}` or `[{"path": name, "size": size}, ...]`.
 pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
-    let text =
-        std::fs::read(path).map_err(|e| format!("cannot read --sizes {}: {e}", path.display()))?;
+    let text = k3_models::load::read_regular_bytes(path)
+        .map_err(|e| format!("cannot read --sizes {}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| format!("--sizes {}: not JSON: {e}", path.display()))?;
     let bad = |msg: String| format!("--sizes {}: {msg}", path.display());

@@ -79,7 +79,7 @@ fn system_mismatch(path: &Path, stored: Option<&str>) -> String {
 /// not UTF-8, not a JSON object, has an unknown role or field, or lacks the final newline
 /// (torn write) is reported with its 1-based line number.
 pub fn load_jsonl(path: &Path) -> Result<Vec<Message>, HistoryError> {
-    let data = std::fs::read(path).map_err(|source| HistoryError::Io {
+    let data = crate::read_regular(path).map_err(|source| HistoryError::Io {
         path: path.to_path_buf(),
         source,
     })?;

@@ -40,3 +40,30 @@ pub use chat::{
 pub use history::HistoryError;
 pub use reply::{Reply, ReplyEvent, ReplyParser};
 pub use tokenizer::{Decoder, Tokenizer, TokenizerError};
+
+/// `std::fs::read` of a regular file only: a FIFO or a device named as a tokenizer or history
+/// file is an error saying so, not a read that blocks (a FIFO without a writer) or never ends
+/// (`/dev/zero`). (The same rule as `k3_models::load::read_regular_bytes`; this crate depends on
+/// no other k3 crate.)
+pub(crate) fn read_regular(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = std::fs::metadata(path)?.file_type();
+    if !t.is_file() {
+        let what = if t.is_dir() {
+            "a directory"
+        } else if t.is_fifo() {
+            "a FIFO (named pipe)"
+        } else if t.is_char_device() {
+            "a character device"
+        } else if t.is_block_device() {
+            "a block device"
+        } else {
+            "a socket"
+        };
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("is {what}, not a regular file"),
+        ));
+    }
+    std::fs::read(path)
+}

@@ -126,14 +126,15 @@ impl Tokenizer {
 
     /// Load from explicit file paths (same rules as [`Tokenizer::load`]).
     pub fn load_files(model_path: &Path, config_path: &Path) -> Result<Self, TokenizerError> {
-        let model_bytes = std::fs::read(model_path).map_err(|source| TokenizerError::Io {
+        let model_bytes = crate::read_regular(model_path).map_err(|source| TokenizerError::Io {
             path: model_path.to_path_buf(),
             source,
         })?;
-        let config_bytes = std::fs::read(config_path).map_err(|source| TokenizerError::Io {
-            path: config_path.to_path_buf(),
-            source,
-        })?;
+        let config_bytes =
+            crate::read_regular(config_path).map_err(|source| TokenizerError::Io {
+                path: config_path.to_path_buf(),
+                source,
+            })?;
         let ranks = parse_tiktoken_model(&model_bytes, model_path)?;
         let num_ranks = ranks.len() as u32;
         let names = parse_added_tokens(&config_bytes, config_path, num_ranks)?;

@@ -23,7 +23,7 @@ use super::RenderChatArgs;
 use crate::cli::{Failure, exit};
 
 fn read_json(path: &Path, flag: &str) -> Result<PyJson, Failure> {
-    let text = std::fs::read_to_string(path)
+    let text = k3_models::load::read_regular_file(path)
         .map_err(|e| Failure::usage(format!("cannot read {flag} {}: {e}", path.display())))?;
     PyJson::parse(&text).map_err(|e| Failure::usage(format!("{flag} {}: {e}", path.display())))
 }

@@ -228,23 +228,7 @@ fn shard_kind(path: &Path) -> ShardKind {
     }
 }
 
-/// "is a directory", "is a FIFO (named pipe)", ... for a path that is not a regular file.
-pub fn describe_file_type(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_dir() {
-        "is a directory"
-    } else if t.is_fifo() {
-        "is a FIFO (named pipe)"
-    } else if t.is_char_device() {
-        "is a character device"
-    } else if t.is_block_device() {
-        "is a block device"
-    } else if t.is_socket() {
-        "is a socket"
-    } else {
-        "is not a regular file"
-    }
-}
+pub use k3_models::load::describe_file_type;
 
 fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {
     let file = File::open(&header.path).map_err(|e| io_err(&header.path, "open shard", e))?;

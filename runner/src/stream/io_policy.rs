@@ -78,8 +78,8 @@ pub fn load_io_policy(value: &str) -> Result<IoPolicy, StreamError> {
         "mmap" => Ok(IoPolicy::mmap()),
         v if v.contains('/') || v.ends_with(".toml") => {
             let path = Path::new(v);
-            let text =
-                std::fs::read_to_string(path).map_err(|e| StreamError::io("read", path, e))?;
+            let text = k3_models::load::read_regular_file(path)
+                .map_err(|e| StreamError::io("read", path, e))?;
             parse_io_policy(&text, v)
         }
         v => Err(StreamError::Config(format!(

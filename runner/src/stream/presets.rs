@@ -88,7 +88,8 @@ pub fn builtin_presets() -> Result<Vec<Preset>, StreamError> {
 pub fn load_preset(value: &str) -> Result<Preset, StreamError> {
     if value.contains('/') || value.ends_with(".toml") {
         let path = Path::new(value);
-        let text = std::fs::read_to_string(path).map_err(|e| StreamError::io("read", path, e))?;
+        let text = k3_models::load::read_regular_file(path)
+            .map_err(|e| StreamError::io("read", path, e))?;
         return parse_preset(&text, value);
     }
     match BUILTIN.iter().find(|(n, _)| *n == value) {

@@ -80,7 +80,8 @@ pub fn write_trace(dir: &Path, records: &[(u32, u32)]) -> Result<(), StreamError
 
 /// Read an `expert_trace.bin`.
 pub fn read_trace(path: &Path) -> Result<Vec<(u32, u32)>, StreamError> {
-    let b = std::fs::read(path).map_err(|e| StreamError::io("read", path, e))?;
+    let b =
+        k3_models::load::read_regular_bytes(path).map_err(|e| StreamError::io("read", path, e))?;
     let bad = |msg: String| StreamError::Config(format!("trace {}: {msg}", path.display()));
     if b.len() < 16 || &b[..8] != MAGIC {
         return Err(bad("not a k3 expert trace (bad magic)".to_string()));

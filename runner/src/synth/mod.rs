@@ -173,7 +173,7 @@ pub fn config_and_spec(
     let config = config_dims(s).to_config_json();
     let (mtext, mfile) = match manifest {
         Some(p) => (
-            fs::read_to_string(p).map_err(io_at(p, "read manifest"))?,
+            k3_models::load::read_regular_file(p).map_err(io_at(p, "read manifest"))?,
             p.display().to_string(),
         ),
         None => (

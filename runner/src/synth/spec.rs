@@ -209,7 +209,7 @@ pub enum SpecError {
 impl SynthSpec {
     /// Read, parse and validate a spec file.
     pub fn load(path: &Path) -> Result<SynthSpec, SpecError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SpecError::Io {
+        let text = k3_models::load::read_regular_file(path).map_err(|source| SpecError::Io {
             path: path.to_path_buf(),
             source,
         })?;

@@ -328,12 +328,22 @@ pub fn parse_manifest(text: &str, file: &str) -> Result<RawManifest, SpecErrors>
     let table: toml::Table = match text.parse() {
         Ok(t) => t,
         Err(e) => {
+            // a model's config.json given as the manifest: say so, not only where TOML failed
+            let msg =
+                if serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v.is_object()) {
+                    "is JSON (a model config.json?), not a manifest: a model manifest is TOML \
+                 (configs/models/*.toml, docs/MANIFEST.md); the model config is read from \
+                 MODEL_DIR/config.json or --config"
+                        .to_string()
+                } else {
+                    format!("not valid TOML: {e}")
+                };
             return Err(SpecErrors(vec![SpecError::new(
                 ErrorKind::Syntax,
                 Place::File {
                     file: file.to_string(),
                 },
-                format!("not valid TOML: {e}"),
+                msg,
             )]));
         }
     };

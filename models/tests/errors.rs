@@ -578,3 +578,21 @@ fn config_numbers_out_of_their_meaningful_range_are_invalid() {
     let m = manifest().replace("l2_eps = 1e-6", "l2_eps = 2.0");
     find(&errors(&m, &config()), ErrorKind::Invalid, "kda.l2_eps");
 }
+
+#[test]
+fn a_config_json_given_as_the_manifest_is_named_as_one() {
+    let c = config().to_string();
+    let e = match load_spec_from_str(&c, "config.json", &c, CFILE) {
+        Ok(_) => panic!("a config.json is no manifest"),
+        Err(e) => e,
+    };
+    let x = find(&e, ErrorKind::Syntax, "config.json");
+    assert!(
+        x.to_string().contains("is JSON (a model config.json?)") && x.to_string().contains("TOML"),
+        "{e}"
+    );
+    // TOML that is merely broken keeps the parser's message
+    let e = errors("schema_version = [", &config());
+    let x = find(&e, ErrorKind::Syntax, MFILE);
+    assert!(x.to_string().contains("not valid TOML"), "{e}");
+}

@@ -12,21 +12,10 @@
 
 mod bin_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use bin_support::{fresh_dir, k3, s};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("runner/ lives inside the repository")
-        .to_path_buf()
-}
-
-fn fixture_a() -> PathBuf {
-    repo().join("fixtures/models/A/ckpt")
-}
+use bin_support::{fixture_a, fresh_dir, k3, repo, s};
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()

@@ -14,14 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use bin_support::{fresh_dir, s};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("runner/ lives inside the repository")
-        .to_path_buf()
-}
+use bin_support::{fresh_dir, repo, s};
 
 fn spawn(args: &[&str], stdin: Stdio) -> Child {
     Command::new(env!("CARGO_BIN_EXE_k3-run"))

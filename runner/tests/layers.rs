@@ -15,11 +15,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{k3, s};
-
-fn fixture_a() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/A/ckpt")
-}
+use bin_support::{fixture_a, k3, s};
 
 /// Run the fixture request on `model` with `extra` flags; the `--out` JSON.
 fn run(model: &Path, extra: &[&str], out: &Path) -> Value {

@@ -7,21 +7,14 @@
 //! the documented report contract (docs/STREAMING.md) and from the wall clock around the
 //! process, never from numbers copied out of the code.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Output;
 use std::time::Instant;
 
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{k3, s};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("runner/ lives inside the repository")
-        .to_path_buf()
-}
+use bin_support::{k3, repo, s};
 
 fn ok(o: &Output, what: &str) {
     assert!(

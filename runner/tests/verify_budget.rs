@@ -23,15 +23,7 @@ use std::process::Output;
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{fresh_dir, k3, s, synth_tiny};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn fixture_a() -> PathBuf {
-    repo().join("fixtures/models/A/ckpt")
-}
+use bin_support::{fixture_a, fresh_dir, k3, repo, s, synth_tiny};
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

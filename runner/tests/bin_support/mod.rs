@@ -1,4 +1,4 @@
-//! Shared helpers of the black-box tests of the `k3-run` binary (run_report, layers).
+//! Shared helpers of the black-box tests of the `k3-run` binary: run it, name paths, the repository and fixture A.
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -11,6 +11,19 @@ pub fn k3(args: &[&str]) -> Output {
         .env_remove("K3_ISA")
         .output()
         .expect("spawn k3-run")
+}
+
+/// The repository root.
+pub fn repo() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("runner/ lives inside the repository")
+        .to_path_buf()
+}
+
+/// Fixture A's checkpoint (written by the independent numpy reference).
+pub fn fixture_a() -> std::path::PathBuf {
+    repo().join("fixtures/models/A/ckpt")
 }
 
 /// A test path as a command-line argument.

@@ -79,7 +79,7 @@ pub fn load_io_policy(value: &str) -> Result<IoPolicy, StreamError> {
         v if v.contains('/') || v.ends_with(".toml") => {
             let path = Path::new(v);
             let text = k3_models::load::read_regular_file(path)
-                .map_err(|e| StreamError::io("read", path, e))?;
+                .map_err(|e| StreamError::io("read I/O policy", path, e))?;
             parse_io_policy(&text, v)
         }
         v => Err(StreamError::Config(format!(

@@ -89,7 +89,7 @@ pub fn load_preset(value: &str) -> Result<Preset, StreamError> {
     if value.contains('/') || value.ends_with(".toml") {
         let path = Path::new(value);
         let text = k3_models::load::read_regular_file(path)
-            .map_err(|e| StreamError::io("read", path, e))?;
+            .map_err(|e| StreamError::io("read preset", path, e))?;
         return parse_preset(&text, value);
     }
     match BUILTIN.iter().find(|(n, _)| *n == value) {

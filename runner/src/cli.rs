@@ -274,6 +274,12 @@ pub struct RunArgs {
     /// sequence's first-step logits (vocab x 4 bytes each), concatenated in prompt order.
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
+    /// Write the first step's EARLY-EXIT logits here: f32 little-endian [layers, vocab], row
+    /// L-1 = what `--layers L` gives (the output AttnRes after layer L, final norm, lm_head);
+    /// the last row equals --dump-logits. One extra lm_head pass per layer in the last prompt
+    /// chunk. A --ids / --prompt run only (fixtures/oracle/conform_layers.py compares it).
+    #[arg(long, value_name = "FILE")]
+    pub dump_layer_logits: Option<PathBuf>,
     /// Stop when one of these ids is generated (up to 8).
     #[arg(long = "stop-id")]
     pub stop_ids: Vec<u32>,
@@ -916,6 +922,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
                 "is written by a --ids / --prompt / --batch-ids run; --chat and --serve do not write it",
             ),
             (
+                a.dump_layer_logits.is_some(),
+                "--dump-layer-logits",
+                "is written by a --ids / --prompt run; --chat and --serve do not write it",
+            ),
+            (
                 a.mem.dump_cache_trace.is_some(),
                 "--dump-cache-trace",
                 "is written by a --ids / --prompt / --batch-ids run; --chat and --serve do not write it",
@@ -944,6 +955,12 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         ));
     }
     if a.batch_ids.is_some() {
+        if a.dump_layer_logits.is_some() {
+            return Err(Failure::usage(
+                "--dump-layer-logits is written by a --ids / --prompt run (one prompt); \
+                 --batch-ids does not write it",
+            ));
+        }
         return batch_main(a);
     }
     let model_dir = a
@@ -1090,13 +1107,14 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             println!("token {i:>4}: {id:>7}  ({t:.3} s)");
             !interrupted.load(Ordering::Relaxed)
         };
-        run::generate_with(
+        run::generate_traced(
             &spec,
             exec,
             providers,
             &req,
             start,
             speculation,
+            a.dump_layer_logits.is_some(),
             &mut on_token,
         )
     });
@@ -1263,6 +1281,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         peak as f64 / 1e6
     );
     dump_logits(a, &[&res.first_logits])?;
+    dump_layer_logits(a, &res.layer_logits)?;
     dump_expert_trace(a, providers)?;
     let json = serde_json::json!({
         "model": spec.name,
@@ -1359,6 +1378,19 @@ fn dump_logits(a: &RunArgs, blocks: &[&[f32]]) -> Result<(), Failure> {
     std::fs::write(p, bytes).map_err(|e| Failure {
         code: exit::OUT_WRITE,
         msg: format!("cannot write --dump-logits {}: {e}", p.display()),
+    })
+}
+
+/// `--dump-layer-logits FILE`: the first step's early-exit logits, f32 little-endian
+/// `[layers, vocab]` ([`run::GenResult::layer_logits`]).
+fn dump_layer_logits(a: &RunArgs, rows: &[f32]) -> Result<(), Failure> {
+    let Some(p) = &a.dump_layer_logits else {
+        return Ok(());
+    };
+    let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(p, bytes).map_err(|e| Failure {
+        code: exit::OUT_WRITE,
+        msg: format!("cannot write --dump-layer-logits {}: {e}", p.display()),
     })
 }
 

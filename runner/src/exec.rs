@@ -719,7 +719,32 @@ impl<'s> Executor<'s> {
         w: &mut Providers<'_>,
         logits: &mut [f32],
     ) -> Result<(), ExecError> {
-        let Some(mut carries) = self.feed(tokens, state, w)? else {
+        let Some(mut carries) = self.feed(tokens, state, w, None)? else {
+            return Ok(());
+        };
+        self.outputs_of(&mut carries, &[tokens.len() - 1], w, &mut [logits])
+    }
+
+    /// [`Self::prefill`] that also writes the EARLY-EXIT logits of the last token
+    /// (`--dump-layer-logits`): `layers[l * vocab..(l + 1) * vocab]` = the logits the model
+    /// would give if it stopped after layer `l` (the output AttnRes over the block state after
+    /// that layer, the final norm, the lm_head: what a `--layers l+1` run computes). One
+    /// extra lm_head pass per layer; the state, `logits` and every other bit are those of
+    /// [`Self::prefill`], and the last row equals `logits`.
+    pub fn prefill_layer_logits(
+        &mut self,
+        tokens: &[u32],
+        state: &mut SeqState,
+        w: &mut Providers<'_>,
+        logits: &mut [f32],
+        layers: &mut [f32],
+    ) -> Result<(), ExecError> {
+        assert_eq!(
+            layers.len(),
+            self.spec.n_layers * self.spec.vocab_size,
+            "prefill_layer_logits: one vocab row per layer"
+        );
+        let Some(mut carries) = self.feed(tokens, state, w, Some(layers))? else {
             return Ok(());
         };
         self.outputs_of(&mut carries, &[tokens.len() - 1], w, &mut [logits])
@@ -742,7 +767,7 @@ impl<'s> Executor<'s> {
             logits.len() <= tokens.len(),
             "prefill_each: at most one logits buffer per token"
         );
-        let Some(mut carries) = self.feed(tokens, state, w)? else {
+        let Some(mut carries) = self.feed(tokens, state, w, None)? else {
             return Ok(());
         };
         let first = tokens.len() - logits.len();
@@ -797,12 +822,14 @@ impl<'s> Executor<'s> {
 
     /// The layers of [`Self::prefill`]: `tokens` through every layer (layer-major), the state
     /// advanced past them. Returns the residual carries (token 0's in the scratch, token k's
-    /// in `carries[k - 1]`), or `None` for no tokens.
+    /// in `carries[k - 1]`), or `None` for no tokens. With `layer_logits`, the last token's
+    /// early-exit logits after each layer (see [`Self::prefill_layer_logits`]).
     fn feed(
         &mut self,
         tokens: &[u32],
         state: &mut SeqState,
         w: &mut Providers<'_>,
+        mut layer_logits: Option<&mut [f32]>,
     ) -> Result<Option<Vec<Carry>>, ExecError> {
         let spec = self.spec;
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
@@ -848,6 +875,13 @@ impl<'s> Executor<'s> {
                 self.layer(l, &lw, ahead, &mut state.layers[l], state.n_pos, experts)?;
             }
             self.layer_done(tokens.len());
+            if let Some(rows) = layer_logits.as_deref_mut() {
+                // the output head on the last token's carry as it stands after layer l: reads
+                // the carry, writes only scratch that the next layer overwrites before use
+                let v = spec.vocab_size;
+                let row = &mut rows[l * v..(l + 1) * v];
+                self.outputs_of(&mut carries, &[tokens.len() - 1], w, &mut [row])?;
+            }
         }
         state.n_pos += tokens.len();
         Ok(Some(carries))

@@ -33,6 +33,10 @@ pub struct GenResult {
     pub first_logits: Vec<f32>,
     /// FNV-1a 64 of the first-step logit bits (hex), for snapshots.
     pub first_logits_hash: String,
+    /// The first step's early-exit logits, `[n_layers, vocab]` (row `l`: after layer `l`;
+    /// the last row equals `first_logits`), when asked for ([`generate_traced`]); else empty.
+    #[serde(skip)]
+    pub layer_logits: Vec<f32>,
     /// Wall-clock seconds of the prompt (prefill) phase.
     pub prefill_seconds: f64,
     /// Wall-clock seconds until the first generated token was known.
@@ -97,6 +101,23 @@ pub fn generate_with(
     speculate: Option<Speculation>,
     on_token: &mut OnToken<'_>,
 ) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
+    generate_traced(spec, exec, w, req, start, speculate, false, on_token)
+}
+
+/// [`generate_with`], with `layer_logits`: also the first step's early-exit logits
+/// ([`GenResult::layer_logits`], `--dump-layer-logits`; the last prompt chunk runs through
+/// [`Executor::prefill_layer_logits`]). Every other output is the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_traced(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    req: &GenRequest,
+    start: SeqState,
+    speculate: Option<Speculation>,
+    layer_logits: bool,
+    on_token: &mut OnToken<'_>,
+) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
     let t0 = Instant::now();
     let mut logits = vec![0.0f32; spec.vocab_size];
     let mut state = start.clone();
@@ -107,8 +128,19 @@ pub fn generate_with(
     // Layer-major chunks: a streamed trunk is read once per chunk, not once per prompt token
     // (same bits as feeding token by token; tests/tests/invariance.rs).
     let mut expert_failed = false;
-    for chunk in req.prompt_ids.chunks(exec.prefill_chunk()) {
-        match exec.prefill(chunk, &mut state, w, &mut logits) {
+    let mut rows = if layer_logits {
+        vec![0.0f32; spec.n_layers * spec.vocab_size]
+    } else {
+        Vec::new()
+    };
+    let n_chunks = req.prompt_ids.len().div_ceil(exec.prefill_chunk());
+    for (c, chunk) in req.prompt_ids.chunks(exec.prefill_chunk()).enumerate() {
+        let fed = if layer_logits && c + 1 == n_chunks {
+            exec.prefill_layer_logits(chunk, &mut state, w, &mut logits, &mut rows)
+        } else {
+            exec.prefill(chunk, &mut state, w, &mut logits)
+        };
+        match fed {
             Ok(()) => {}
             // A routed expert that could not be loaded: nothing is zeroed; the run reports
             // (no ids) and exits 4 (SYSTEM.md §6).
@@ -123,6 +155,7 @@ pub fn generate_with(
     res.prefill_seconds = t0.elapsed().as_secs_f64();
     res.first_logits = logits.clone();
     res.first_logits_hash = logits_hash(&logits);
+    res.layer_logits = rows;
     let mut sp = speculate.filter(|_| req.incremental).map(Speculator::new);
     let choose = |l: &[f32]| ops::argmax(l) as u32;
     // Verified guesses still to emit (the logits are already past them).

@@ -1007,6 +1007,8 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     let mut next = Vec::new();
     if let Some(p) = preset {
         if !trunk_dir.join("trunk.json").is_file() {
+            // a partial download gives wrong tokens, not an error: check it before packing
+            next.push(format!("k3-run verify {model} --release kimi-k3"));
             next.push(format!("k3-run pack-trunk {model} {trunk}"));
         }
         next.push(format!(
@@ -1017,14 +1019,18 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
                 String::new()
             }
         ));
-        println!(
-            "next       (pack once, onto {}; then run)",
-            if disk.is_some() {
-                "the disk measured above"
-            } else {
-                "your fastest local disk (not measured here)"
-            }
-        );
+        if next.len() > 1 {
+            println!(
+                "next       (check the download, pack once onto {}; then run)",
+                if disk.is_some() {
+                    "the disk measured above"
+                } else {
+                    "your fastest local disk (not measured here)"
+                }
+            );
+        } else {
+            println!("next       (the trunk is packed: run)");
+        }
         for c in &next {
             println!("  {c}");
         }

@@ -1107,16 +1107,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             println!("token {i:>4}: {id:>7}  ({t:.3} s)");
             !interrupted.load(Ordering::Relaxed)
         };
-        run::generate_traced(
-            &spec,
-            exec,
-            providers,
-            &req,
-            start,
-            speculation,
-            a.dump_layer_logits.is_some(),
-            &mut on_token,
-        )
+        let opts = run::GenOptions {
+            speculate: speculation,
+            layer_logits: a.dump_layer_logits.is_some(),
+        };
+        run::generate_with(&spec, exec, providers, &req, start, opts, &mut on_token)
     });
     let mut spec_stats = None;
     let res = res.map(|(r, st, end)| {

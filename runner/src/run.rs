@@ -34,7 +34,7 @@ pub struct GenResult {
     /// FNV-1a 64 of the first-step logit bits (hex), for snapshots.
     pub first_logits_hash: String,
     /// The first step's early-exit logits, `[n_layers, vocab]` (row `l`: after layer `l`;
-    /// the last row equals `first_logits`), when asked for ([`generate_traced`]); else empty.
+    /// the last row equals `first_logits`), when asked for ([`GenOptions::layer_logits`]); else empty.
     #[serde(skip)]
     pub layer_logits: Vec<f32>,
     /// Wall-clock seconds of the prompt (prefill) phase.
@@ -85,37 +85,31 @@ pub fn generate_from(
     start: SeqState,
     on_token: &mut OnToken<'_>,
 ) -> Result<(GenResult, SeqState), ExecError> {
-    generate_with(spec, exec, w, req, start, None, on_token).map(|(r, _, st)| (r, st))
+    generate_with(spec, exec, w, req, start, GenOptions::default(), on_token)
+        .map(|(r, _, st)| (r, st))
 }
 
-/// [`generate_from`], optionally speculating (`--speculate`, incremental requests only; a
-/// full-recompute request ignores it): prompt-lookup guesses verified in one pass each
-/// ([`Speculator`]), the same ids, first-step logits and final state. Returns the counters
-/// when it speculated.
+/// What [`generate_with`] does beyond [`generate_from`]; the default is neither.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GenOptions {
+    /// Speculate (`--speculate`; incremental requests only, a full-recompute request ignores
+    /// it): prompt-lookup guesses verified in one pass each ([`Speculator`]), the same ids,
+    /// first-step logits and final state.
+    pub speculate: Option<Speculation>,
+    /// Also the first step's early-exit logits ([`GenResult::layer_logits`],
+    /// `--dump-layer-logits`; the last prompt chunk runs through
+    /// [`Executor::prefill_layer_logits`]). Every other output is the same bits.
+    pub layer_logits: bool,
+}
+
+/// [`generate_from`] with [`GenOptions`]. Returns the speculation counters when it speculated.
 pub fn generate_with(
     spec: &ModelSpec,
     exec: &mut Executor<'_>,
     w: &mut Providers<'_>,
     req: &GenRequest,
     start: SeqState,
-    speculate: Option<Speculation>,
-    on_token: &mut OnToken<'_>,
-) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
-    generate_traced(spec, exec, w, req, start, speculate, false, on_token)
-}
-
-/// [`generate_with`], with `layer_logits`: also the first step's early-exit logits
-/// ([`GenResult::layer_logits`], `--dump-layer-logits`; the last prompt chunk runs through
-/// [`Executor::prefill_layer_logits`]). Every other output is the same bits.
-#[allow(clippy::too_many_arguments)]
-pub fn generate_traced(
-    spec: &ModelSpec,
-    exec: &mut Executor<'_>,
-    w: &mut Providers<'_>,
-    req: &GenRequest,
-    start: SeqState,
-    speculate: Option<Speculation>,
-    layer_logits: bool,
+    opts: GenOptions,
     on_token: &mut OnToken<'_>,
 ) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
     let t0 = Instant::now();
@@ -128,14 +122,14 @@ pub fn generate_traced(
     // Layer-major chunks: a streamed trunk is read once per chunk, not once per prompt token
     // (same bits as feeding token by token; tests/tests/invariance.rs).
     let mut expert_failed = false;
-    let mut rows = if layer_logits {
+    let mut rows = if opts.layer_logits {
         vec![0.0f32; spec.n_layers * spec.vocab_size]
     } else {
         Vec::new()
     };
     let n_chunks = req.prompt_ids.len().div_ceil(exec.prefill_chunk());
     for (c, chunk) in req.prompt_ids.chunks(exec.prefill_chunk()).enumerate() {
-        let fed = if layer_logits && c + 1 == n_chunks {
+        let fed = if opts.layer_logits && c + 1 == n_chunks {
             exec.prefill_layer_logits(chunk, &mut state, w, &mut logits, &mut rows)
         } else {
             exec.prefill(chunk, &mut state, w, &mut logits)
@@ -156,7 +150,10 @@ pub fn generate_traced(
     res.first_logits = logits.clone();
     res.first_logits_hash = logits_hash(&logits);
     res.layer_logits = rows;
-    let mut sp = speculate.filter(|_| req.incremental).map(Speculator::new);
+    let mut sp = opts
+        .speculate
+        .filter(|_| req.incremental)
+        .map(Speculator::new);
     let choose = |l: &[f32]| ops::argmax(l) as u32;
     // Verified guesses still to emit (the logits are already past them).
     let mut queue = std::collections::VecDeque::new();

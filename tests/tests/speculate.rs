@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use k3_conformance::{open_model, repo_root, resident, synth_and_pack, trunk_layer_sizes};
 use k3_run::exec::{Executor, LayerState, Providers, SeqState};
 use k3_run::plan::Plan;
-use k3_run::run::{GenRequest, generate_from, generate_with};
+use k3_run::run::{GenOptions, GenRequest, generate_from, generate_with};
 use k3_run::session::MemorySettings;
 use k3_run::speculate::{SpecStats, Speculation};
 
@@ -150,7 +150,10 @@ fn compare(model: &std::path::Path, settings: &MemorySettings, label: &str) -> S
                     w,
                     &req,
                     start.clone(),
-                    Some(Speculation::with_max_draft(k)),
+                    GenOptions {
+                        speculate: Some(Speculation::with_max_draft(k)),
+                        layer_logits: false,
+                    },
                     &mut |_, _, _| true,
                 )
                 .expect("speculative");

@@ -232,21 +232,39 @@ fn missing_model_dir_is_a_clear_error() {
     expect_fail(&o, 2, &["config.json", "not a regular file"]);
 }
 
-/// A copy of fixture A's config.json without `pointer`'s last key, written to DIR/config.json.
-fn config_without(dir: &Path, parent: &str, key: &str) -> PathBuf {
+/// A copy of fixture A's config.json with `parent`'s `key` removed (`None`) or set to `value`
+/// (the key must exist), written to DIR/config.json.
+fn config_edited(dir: &Path, parent: &str, key: &str, value: Option<Value>) -> PathBuf {
     let text = std::fs::read_to_string(fixture_a().join("config.json")).unwrap();
     let mut v: Value = serde_json::from_str(&text).unwrap();
     let obj = v
         .pointer_mut(parent)
         .and_then(Value::as_object_mut)
         .unwrap_or_else(|| panic!("fixture A config.json has {parent}"));
-    assert!(
-        obj.remove(key).is_some(),
-        "{parent}/{key} exists in fixture A"
-    );
+    let had = match value {
+        None => obj.remove(key),
+        Some(value) => obj.insert(key.to_string(), value),
+    };
+    assert!(had.is_some(), "{parent}/{key} exists in fixture A");
     let p = dir.join("config.json");
     std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
     p
+}
+
+/// Fixture A's shards run with `--config cfg`.
+fn run_a_with_config(cfg: &str, out: &Path) -> Output {
+    let a = fixture_a();
+    k3(&[
+        a.to_str().unwrap(),
+        "--config",
+        cfg,
+        "--ids",
+        "1,2",
+        "--gen",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ])
 }
 
 #[test]
@@ -257,7 +275,7 @@ fn config_missing_a_needed_key_exits_2_naming_key_and_file() {
         ("/text_config", "attn_res_block_size"),
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        let cfg = config_without(tmp.path(), parent, key);
+        let cfg = config_edited(tmp.path(), parent, key, None);
         let cfg_s = cfg.to_str().unwrap();
         let out = tmp.path().join("r.json");
         // model dir holding only the broken config.json: the config is read before any shard
@@ -272,19 +290,7 @@ fn config_missing_a_needed_key_exits_2_naming_key_and_file() {
         ]);
         expect_fail(&o, 2, &[key, cfg_s]);
         // the real shards with --config pointing at the broken file
-        let a = fixture_a();
-        let o = k3(&[
-            a.to_str().unwrap(),
-            "--config",
-            cfg_s,
-            "--ids",
-            "1,2",
-            "--gen",
-            "1",
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        expect_fail(&o, 2, &[key, cfg_s]);
+        expect_fail(&run_a_with_config(cfg_s, &out), 2, &[key, cfg_s]);
         // plan reads the same config
         let o = k3(&["plan", tmp.path().to_str().unwrap()]);
         expect_fail(&o, 2, &[key, cfg_s]);
@@ -304,29 +310,9 @@ fn config_number_out_of_range_exits_2_naming_key_and_file() {
         ("/text_config", "max_position_embeddings", json!(0)),
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        let text = std::fs::read_to_string(fixture_a().join("config.json")).unwrap();
-        let mut v: Value = serde_json::from_str(&text).unwrap();
-        let obj = v
-            .pointer_mut(parent)
-            .and_then(Value::as_object_mut)
-            .unwrap();
-        assert!(
-            obj.insert(key.to_string(), value).is_some(),
-            "fixture A has {key}"
-        );
-        let cfg = tmp.path().join("config.json");
-        std::fs::write(&cfg, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let cfg = config_edited(tmp.path(), parent, key, Some(value));
         let cfg_s = cfg.to_str().unwrap();
-        let a = fixture_a();
-        let o = k3(&[
-            a.to_str().unwrap(),
-            "--config",
-            cfg_s,
-            "--ids",
-            "1,2",
-            "--gen",
-            "1",
-        ]);
+        let o = run_a_with_config(cfg_s, &tmp.path().join("r.json"));
         expect_fail(&o, 2, &[key, cfg_s]);
     }
 }

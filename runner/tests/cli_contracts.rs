@@ -148,13 +148,14 @@ fn batch_dump_logits_holds_each_sequences_first_step_logits() {
     let a = fixture_a();
     let prompts = ["11,22,33,44", "5,6,7", "200"];
     let out = dir.join("out.json");
-    let mut want = Vec::new();
-    for p in prompts {
-        let f = dir.join("one.f32");
+    // `--ids P` or `--batch-ids P;Q;...`: the --dump-logits bytes
+    let dumped = |flag: &str, ids: &str| -> Vec<u8> {
+        let f = dir.join("logits.f32");
+        let _ = std::fs::remove_file(&f);
         ok(&k3(&[
             s(&a),
-            "--ids",
-            p,
+            flag,
+            ids,
             "--gen",
             "3",
             "--incremental",
@@ -163,23 +164,10 @@ fn batch_dump_logits_holds_each_sequences_first_step_logits() {
             "--dump-logits",
             s(&f),
         ]));
-        want.push(std::fs::read(&f).expect("single-prompt --dump-logits"));
-    }
-    let f = dir.join("batch.f32");
-    let joined = prompts.join(";");
-    ok(&k3(&[
-        s(&a),
-        "--batch-ids",
-        &joined,
-        "--gen",
-        "3",
-        "--incremental",
-        "--out",
-        s(&out),
-        "--dump-logits",
-        s(&f),
-    ]));
-    let got = std::fs::read(&f).expect("--batch-ids --dump-logits written");
+        std::fs::read(&f).unwrap_or_else(|e| panic!("{flag} {ids}: --dump-logits not written: {e}"))
+    };
+    let want: Vec<Vec<u8>> = prompts.iter().map(|p| dumped("--ids", p)).collect();
+    let got = dumped("--batch-ids", &prompts.join(";"));
     let block = want[0].len();
     assert!(block > 0);
     assert_eq!(got.len(), block * prompts.len(), "one block per prompt");

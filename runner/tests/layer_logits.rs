@@ -18,7 +18,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod bin_support;
-use bin_support::{fixture_a, fresh_dir, k3, repo, s};
+use bin_support::{fixture_a, fresh_dir, k3, k3_out, repo, s};
 
 /// Fixture A's prompt (the reference's, `fixtures/models/A/ref/summary.json`).
 const IDS: &str = "11,22,33,44,55,66,77,88,99,110";
@@ -37,16 +37,7 @@ fn run(dir: &Path, extra: &[&str]) -> serde_json::Value {
     let out = dir.join("out.json");
     let mut args = vec![s(&a), "--ids", IDS, "--gen", "3", "--out", s(&out)];
     args.extend_from_slice(extra);
-    let o = k3(&args);
-    assert!(
-        o.status.success(),
-        "k3-run {args:?} failed ({:?}):\n{}",
-        o.status.code(),
-        stderr(&o)
-    );
-    let v: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&out).expect("--out written")).expect("JSON");
-    v["generated_ids"].clone()
+    k3_out(&args, &out)["generated_ids"].clone()
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{fixture_a, k3, s};
+use bin_support::{fixture_a, k3, k3_out, s};
 
 /// Run the fixture request on `model` with `extra` flags; the `--out` JSON.
 fn run(model: &Path, extra: &[&str], out: &Path) -> Value {
@@ -32,14 +32,7 @@ fn run(model: &Path, extra: &[&str], out: &Path) -> Value {
         s(out),
     ];
     args.extend_from_slice(extra);
-    let o = k3(&args);
-    assert!(
-        o.status.success(),
-        "k3-run {args:?} failed ({:?}):\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    serde_json::from_str(&std::fs::read_to_string(out).expect("--out written")).expect("JSON")
+    k3_out(&args, out)
 }
 
 /// (generated ids, first-step logits hash) of a run's JSON.

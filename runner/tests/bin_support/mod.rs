@@ -26,6 +26,19 @@ pub fn fixture_a() -> std::path::PathBuf {
     repo().join("fixtures/models/A/ckpt")
 }
 
+/// Run `k3-run args` (which must include `--out out`), assert it succeeded, and return the
+/// `--out` JSON.
+pub fn k3_out(args: &[&str], out: &Path) -> serde_json::Value {
+    let o = k3(args);
+    assert!(
+        o.status.success(),
+        "k3-run {args:?} failed ({:?}):\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(out).expect("--out written")).expect("--out is JSON")
+}
+
 /// A test path as a command-line argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("test paths are UTF-8")

@@ -14,16 +14,9 @@ use std::process::{Command, Output};
 
 use serde_json::{Value, json};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("runner/ lives inside the repository")
-        .to_path_buf()
-}
+mod bin_support;
 
-fn fixture_a() -> PathBuf {
-    repo().join("fixtures/models/A/ckpt")
-}
+use bin_support::{code, expect_fail, fixture_a, repo, stderr};
 
 fn summary_a() -> Value {
     let p = repo().join("fixtures/models/A/ref/summary.json");
@@ -57,26 +50,6 @@ fn k3_env(args: &[&str], env: &[(&str, &str)]) -> Output {
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn code(o: &Output) -> i32 {
-    o.status
-        .code()
-        .unwrap_or_else(|| panic!("k3-run killed by a signal; stderr:\n{}", stderr(o)))
-}
-
-/// Asserts the exit code and that stderr mentions every needle; returns stderr.
-fn expect_fail(o: &Output, want: i32, needles: &[&str]) -> String {
-    let err = stderr(o);
-    assert_eq!(code(o), want, "exit code; stderr:\n{err}");
-    for n in needles {
-        assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
-    }
-    err
 }
 
 /// FNV-1a 64 over the little-endian bytes (the documented `first_logits_hash`).

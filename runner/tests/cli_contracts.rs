@@ -15,32 +15,12 @@ mod bin_support;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use bin_support::{fixture_a, fresh_dir, k3, repo, s};
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn code(o: &Output) -> i32 {
-    o.status
-        .code()
-        .unwrap_or_else(|| panic!("k3-run killed by a signal; stderr:\n{}", stderr(o)))
-}
+use bin_support::{code, expect_fail, fixture_a, fresh_dir, k3, repo, s, stderr};
 
 /// Asserts exit code 0; returns stderr.
 fn ok(o: &Output) -> String {
     assert_eq!(code(o), 0, "k3-run failed; stderr:\n{}", stderr(o));
     stderr(o)
-}
-
-/// Asserts the exit code and that stderr mentions every needle; returns stderr.
-fn expect_fail(o: &Output, want: i32, needles: &[&str]) -> String {
-    let err = stderr(o);
-    assert_eq!(code(o), want, "exit code; stderr:\n{err}");
-    for n in needles {
-        assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
-    }
-    err
 }
 
 /// The `k3-run: error: ...` line of stderr.

@@ -1,4 +1,5 @@
-//! Shared helpers of the black-box tests of the `k3-run` binary: run it, name paths, the repository and fixture A.
+//! Shared helpers of the black-box tests of the `k3-run` binary: run it, read its output and exit
+//! code, name paths, the repository and fixture A.
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -37,6 +38,28 @@ pub fn k3_out(args: &[&str], out: &Path) -> serde_json::Value {
         String::from_utf8_lossy(&o.stderr)
     );
     serde_json::from_slice(&std::fs::read(out).expect("--out written")).expect("--out is JSON")
+}
+
+/// A run's stderr as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A run's exit code (a signal fails the test).
+pub fn code(o: &Output) -> i32 {
+    o.status
+        .code()
+        .unwrap_or_else(|| panic!("k3-run killed by a signal; stderr:\n{}", stderr(o)))
+}
+
+/// Asserts the exit code and that stderr mentions every needle; returns stderr.
+pub fn expect_fail(o: &Output, want: i32, needles: &[&str]) -> String {
+    let err = stderr(o);
+    assert_eq!(code(o), want, "exit code; stderr:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
+    }
+    err
 }
 
 /// A test path as a command-line argument.

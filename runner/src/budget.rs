@@ -23,7 +23,7 @@ use clap::Args;
 use k3_models::spec::{FfnKind, RoleScope, TensorDecl, TensorRole};
 
 use crate::checkpoint::{Checkpoint, INDEX_FILE, SINGLE_FILE};
-use crate::cli::{Failure, exit, load_spec};
+use crate::cli::{Failure, exit, load_spec_files};
 
 /// Flags of `k3-run budget`.
 #[derive(Args, Debug, Clone)]
@@ -430,11 +430,14 @@ impl Budget {
 /// `k3-run budget`: exit 0, or 1 when the checkpoint is not the manifest's model (the report
 /// is still printed; the engine would refuse to run it), 2 on a usage error.
 pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
-    let spec = load_spec(&a.model_dir, a.manifest.as_deref(), a.config.as_deref())?;
+    let (spec, files) = load_spec_files(&a.model_dir, a.manifest.as_deref(), a.config.as_deref())?;
     let dir = &a.model_dir;
     let has_checkpoint = dir.join(INDEX_FILE).exists() || dir.join(SINGLE_FILE).exists();
     let b = if has_checkpoint {
-        let ck = Checkpoint::open_unchecked(dir).map_err(|e| Failure::usage(e.to_string()))?;
+        let ck = match files {
+            Some(f) => f,
+            None => Checkpoint::open_unchecked(dir).map_err(|e| Failure::usage(e.to_string()))?,
+        };
         let tensors: Vec<(&str, u64)> = ck
             .tensor_names()
             .iter()

@@ -329,6 +329,16 @@ pub fn load_spec(
     manifest: Option<&Path>,
     config: Option<&Path>,
 ) -> Result<ModelSpec, Failure> {
+    load_spec_files(model_dir, manifest, config).map(|(spec, _)| spec)
+}
+
+/// [`load_spec`], and the checkpoint's files when they opened (headers parsed, shards
+/// mapped, no model check yet): [`open_checkpoint`] takes them instead of opening again.
+pub fn load_spec_files(
+    model_dir: &Path,
+    manifest: Option<&Path>,
+    config: Option<&Path>,
+) -> Result<(ModelSpec, Option<Checkpoint>), Failure> {
     let config = config
         .map(Path::to_path_buf)
         .unwrap_or_else(|| model_dir.join("config.json"));
@@ -350,7 +360,8 @@ pub fn load_spec(
         }
     };
     let spec = spec.map_err(|e| Failure::usage(e.to_string()))?;
-    Ok(adopt_stored_a_log_len(spec, model_dir))
+    let files = Checkpoint::open_unchecked(model_dir).ok();
+    Ok((adopt_stored_a_log_len(spec, files.as_ref()), files))
 }
 
 /// `A_log` padding is storage-only (one entry per KDA head, then zeros, checked at open), and
@@ -359,11 +370,11 @@ pub fn load_spec(
 /// head) is the same model: bind its stored length. Anything else is left to the checkpoint's
 /// shape check, which names the tensor. No checkpoint in `model_dir` (e.g. `plan --config`)
 /// leaves the spec as it is.
-fn adopt_stored_a_log_len(spec: ModelSpec, model_dir: &Path) -> ModelSpec {
+fn adopt_stored_a_log_len(spec: ModelSpec, files: Option<&Checkpoint>) -> ModelSpec {
     let Some((rule_len, heads)) = spec.kda.as_ref().map(|k| (k.a_log_len, k.n_heads)) else {
         return spec;
     };
-    let Ok(ck) = Checkpoint::open_unchecked(model_dir) else {
+    let Some(ck) = files else {
         return spec;
     };
     let mut stored = None;
@@ -732,7 +743,11 @@ pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Fa
 
 /// The model spec for a run: manifest from --manifest, else the run config's, else built in;
 /// config.json from --config FILE.json, else MODEL_DIR/config.json.
-pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
+/// The checkpoint's files come with the spec (see [`load_spec_files`]).
+fn run_spec_files(
+    a: &RunArgs,
+    model_dir: &Path,
+) -> Result<(ModelSpec, Option<Checkpoint>), Failure> {
     let rc = run_config(a)?;
     let manifest = a
         .manifest
@@ -743,10 +758,10 @@ pub fn run_spec(a: &RunArgs, model_dir: &Path) -> Result<ModelSpec, Failure> {
     } else {
         a.config.as_deref()
     };
-    let spec = load_spec(model_dir, manifest.as_deref(), config)?;
+    let (spec, files) = load_spec_files(model_dir, manifest.as_deref(), config)?;
     match a.layers {
-        Some(n) => spec.first_layers(n).map_err(Failure::usage),
-        None => Ok(spec),
+        Some(n) => Ok((spec.first_layers(n).map_err(Failure::usage)?, files)),
+        None => Ok((spec, files)),
     }
 }
 
@@ -867,15 +882,22 @@ const MAX_THREADS: usize = 1024;
 
 /// Open the checkpoint. Routed-expert scales are validated here only when the experts are
 /// resident; streamed experts are validated as they are read (real K3: 85 GB of scales).
+/// `files`: the checkpoint's files opened while the spec was read ([`load_spec_files`]), else
+/// they are opened here.
 fn open_checkpoint(
     model_dir: &Path,
     spec: &ModelSpec,
     settings: &crate::session::MemorySettings,
+    files: Option<Checkpoint>,
 ) -> Result<Checkpoint, Failure> {
     let opts = crate::checkpoint::OpenOptions {
         validate_expert_scales: settings.cache_budget_bytes.is_none(),
     };
-    Checkpoint::open_with(model_dir, spec, &opts).map_err(|e| Failure {
+    match files {
+        Some(f) => f.checked(spec, &opts),
+        None => Checkpoint::open_with(model_dir, spec, &opts),
+    }
+    .map_err(|e| Failure {
         code: exit::FORWARD,
         msg: e.to_string(),
     })
@@ -993,7 +1015,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         ));
     }
     let (settings, notes) = memory_settings(a)?;
-    let spec = run_spec(a, model_dir)?;
+    let (spec, files) = run_spec_files(a, model_dir)?;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
         let from = if a.ids.is_some() {
             "--ids"
@@ -1005,7 +1027,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             spec.vocab_size
         )));
     }
-    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
     let threads = run_threads(a)?;
     if a.save_state.is_some() && a.n_gen != 0 {
         return Err(Failure::usage(
@@ -1426,8 +1448,8 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
         .as_deref()
         .ok_or_else(|| Failure::usage("a model directory is required"))?;
     let (settings, notes) = memory_settings(a)?;
-    let spec = run_spec(a, model_dir)?;
-    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let (spec, files) = run_spec_files(a, model_dir)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
     let positions = a.max_context.unwrap_or(8192);
     // --serve-batch N: every request in the batch holds its own decode state.
     let sequences = match a.chat.serve {
@@ -1533,7 +1555,7 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
         ));
     }
     let (settings, notes) = memory_settings(a)?;
-    let spec = run_spec(a, model_dir)?;
+    let (spec, files) = run_spec_files(a, model_dir)?;
     for (i, p) in prompts.iter().enumerate() {
         if let Some(bad) = p.iter().find(|&&t| t as usize >= spec.vocab_size) {
             return Err(Failure::usage(format!(
@@ -1543,7 +1565,7 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
             )));
         }
     }
-    let ckpt = open_checkpoint(model_dir, &spec, &settings)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let positions = context_positions(
         a.max_context,

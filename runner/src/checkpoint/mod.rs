@@ -295,7 +295,18 @@ impl Checkpoint {
         spec: &ModelSpec,
         opts: &OpenOptions,
     ) -> Result<Checkpoint, CheckpointError> {
-        let ck = Self::open_files(dir, Some(spec))?;
+        Self::open_files(dir, Some(spec))?.checked(spec, opts)
+    }
+
+    /// The model checks of [`Checkpoint::open_with`] on files already opened by
+    /// [`Checkpoint::open_unchecked`] (which opened every shard: the same files `open_with`
+    /// would open), so a caller that looked at the headers first does not parse them twice.
+    pub fn checked(
+        self,
+        spec: &ModelSpec,
+        opts: &OpenOptions,
+    ) -> Result<Checkpoint, CheckpointError> {
+        let ck = self;
         ck.check_against_spec(spec)?;
         ck.check_a_log(spec)?;
         if opts.validate_expert_scales {
@@ -518,7 +529,7 @@ impl Checkpoint {
             .iter()
             .filter(|d| d.role == TensorRole::KdaALog)
         {
-            let vals = self.f32_vec(d);
+            let vals = self.f32_vec_pread(d)?;
             if let Some((index, &value)) = vals
                 .iter()
                 .enumerate()
@@ -535,6 +546,28 @@ impl Checkpoint {
             }
         }
         Ok(())
+    }
+
+    /// A small F32 tensor read with one positional read, not through the mapping: a fault
+    /// on a cold mapping reads a whole read-ahead window (8 MiB on some VMs), so checking one
+    /// 1 KB tensor per layer that way read hundreds of MB at start-up.
+    fn f32_vec_pread(&self, decl: &TensorDecl) -> Result<Vec<f32>, CheckpointError> {
+        use std::os::unix::fs::FileExt;
+        let Some(loc) = self.try_location(&decl.name) else {
+            return Ok(self.f32_vec(decl)); // unreachable after check_against_spec
+        };
+        let io = |source| CheckpointError::Io {
+            file: loc.shard_path.clone(),
+            what: "A_log",
+            source,
+        };
+        let mut b = vec![0u8; loc.n_bytes as usize];
+        File::open(&loc.shard_path)
+            .and_then(|f| f.read_exact_at(&mut b, loc.file_offset))
+            .map_err(io)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     fn check_scale_decl(&self, decl: &TensorDecl) -> Result<(), CheckpointError> {

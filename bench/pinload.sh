@@ -31,7 +31,9 @@ for r in $(seq 1 "$ROUNDS"); do
         else
             sleep "$COLD_WAIT"
         fi
-        "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" \
+        # The load alone (in the session build): a run's default background load shares
+        # the disk with the prompt's expert reads (bench/README.md: time to first token).
+        K3_PIN_SYNC=1 "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" \
             --cache-gb 0.017 --out "$out/$r.$cond.json" > "$out/$r.$cond.log" 2>&1
         load="$(jq -r '.trunk.bytes_read / .pinned_load_seconds / 1e6 | round' "$out/$r.$cond.json")"
         ratio="$(awk -v a="$load" -v b="$probe" 'BEGIN {printf "%.3f", a / b}')"

@@ -124,8 +124,14 @@ def ladder(d):
                 if all(m.get("disk_read_bytes") is not None for _, m in ok) and g1m and \
                         g1m.get("disk_read_bytes") is not None:
                     e["disk_b"] = per(lambda r, m: m["disk_read_bytes"])
-                # the pinned-prefix load is in both counters; take it out before differencing
-                e["wait"] = per(lambda r, m: r["trunk"]["wait_seconds"] - r["pinned_load_seconds"])
+                # the pinned-prefix load is in both counters (in wait_seconds: the whole load
+                # when it ran in the session build, the run's waits for it when it ran in the
+                # background); take it out before differencing
+                def pin_wait(r):
+                    t = r["trunk"]
+                    return t.get("pinned_wait_seconds", 0.0) if t.get("pinned_background") \
+                        else r["pinned_load_seconds"]
+                e["wait"] = per(lambda r, m: r["trunk"]["wait_seconds"] - pin_wait(r))
                 e["tread"] = per(lambda r, m: r["trunk"]["read_seconds"] - r["pinned_load_seconds"])
                 e["eread"] = per(lambda r, m: r["experts"]["read_seconds"])
                 if all(m.get("user_seconds") is not None for _, m in ok) and g1m and \

@@ -85,8 +85,6 @@ pub struct Session<'c> {
     /// Bytes the plan holds in RAM (pinned + ring + cache + resident globals), for the state
     /// check. Memory-mapped resident weights are not counted: the page cache can drop them.
     pub planned_bytes: u64,
-    /// Seconds spent loading the pinned prefix (first-token cost), if any.
-    pub pinned_load_seconds: f64,
     /// Seconds spent loading the resident arena ([`ResidentMode::Arena`]; start-up cost), if any.
     pub resident_load_seconds: f64,
     /// No trunk layer is read from disk per token: the whole trunk is in RAM (resident, or
@@ -114,7 +112,6 @@ pub fn build_with<'c>(
 ) -> Result<Session<'c>, StreamError> {
     let mut startup = Vec::new();
     let mut planned = 0u64;
-    let mut pinned_load_seconds = 0.0;
     if m.ultra_low_memory && m.trunk_dir.is_none() {
         return Err(StreamError::Config(
             "--ultra-low-memory streams embedding rows and lm_head chunks and needs a packed trunk (--trunk DIR)"
@@ -151,6 +148,8 @@ pub fn build_with<'c>(
                     o_direct: m.io.o_direct,
                     read_threads: m.io.read_threads,
                     preload_pinned: true,
+                    // K3_PIN_SYNC=1: load it in the session build, before the run (for A/B).
+                    background_pinned: std::env::var_os("K3_PIN_SYNC").is_none(),
                     active_layers: None,
                 };
                 if m.trunk_budget_bytes.is_none() {
@@ -162,7 +161,6 @@ pub fn build_with<'c>(
                 let t = StreamedTrunk::open_with_pool(dir, spec, &opts, pool)?;
                 startup.extend(t.startup_lines());
                 planned += t.plan().planned_bytes();
-                pinned_load_seconds = t.pinned_load_seconds();
                 trunk_in_ram = t.plan().pinned_layers == t.plan().n_layers;
                 Box::new(t)
             }
@@ -250,7 +248,6 @@ pub fn build_with<'c>(
         },
         startup,
         planned_bytes: planned,
-        pinned_load_seconds,
         resident_load_seconds,
         trunk_in_ram,
     })

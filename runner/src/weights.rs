@@ -90,6 +90,13 @@ pub struct TrunkStats {
     pub wait_seconds: f64,
     pub o_direct: bool,
     pub reader_thread: bool,
+    /// Seconds the pinned prefix took to load (0 while a background load runs).
+    pub pinned_load_seconds: f64,
+    /// Seconds the executor waited for a background pinned load (part of `wait_seconds`).
+    pub pinned_wait_seconds: f64,
+    /// The pinned prefix loaded on background threads beside start-up and the prompt, not in
+    /// the session build.
+    pub pinned_background: bool,
 }
 
 /// Counters an expert provider reports (SYSTEM.md §4).

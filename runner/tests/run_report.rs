@@ -1,6 +1,7 @@
 //! The end-of-run report and `--out` JSON of a streamed run: `time_to_first_token_seconds`
-//! (start-up incl. the pinned-prefix load + prefill + first token) next to the unchanged
-//! `first_token_seconds` / `pinned_load_seconds`, and the memory-limit line and object.
+//! (start-up + prefill + first token; the pinned-prefix load runs beside them, or within
+//! start-up with `K3_PIN_SYNC=1`) next to the unchanged `first_token_seconds` /
+//! `pinned_load_seconds`, and the memory-limit line and object.
 //!
 //! Owns: black-box checks through the `k3-run` binary on the tiny synthetic model (synth +
 //! pack-trunk under target/, not tmpfs). Must not: call the library; expectations come from
@@ -14,7 +15,7 @@ use std::time::Instant;
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{k3, repo, s};
+use bin_support::{k3, k3_env, repo, s};
 
 fn ok(o: &Output, what: &str) {
     assert!(
@@ -63,66 +64,108 @@ fn pinned_run_reports_time_to_first_token_including_the_pinned_load() {
     );
     ok(&k3(&["pack-trunk", s(&model), s(&trunk)]), "pack-trunk");
 
-    // No --trunk-gb: the whole trunk is pinned and read while the session is built.
-    let out = dir.join("out.json");
-    let t0 = Instant::now();
-    let o = k3(&[
-        s(&model),
-        "--ids",
-        "1,2,3",
-        "--gen",
-        "2",
-        "--incremental",
-        "--trunk",
-        s(&trunk),
-        "--threads",
-        "1",
-        "--out",
-        s(&out),
-    ]);
-    let wall = t0.elapsed().as_secs_f64();
-    ok(&o, "pinned run");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).expect("--out written"))
-        .expect("--out is JSON");
-    let first = num(&v, "first_token_seconds");
-    let pinned = num(&v, "pinned_load_seconds");
-    let ttft = num(&v, "time_to_first_token_seconds");
-    assert!(pinned > 0.0, "the whole trunk was pinned: {pinned}");
-    assert!(first > 0.0, "a token was generated: {first}");
-    assert!(
-        ttft >= first + pinned,
-        "time to first token {ttft} < first token {first} + pinned load {pinned}"
-    );
-    assert!(
-        ttft <= wall,
-        "time to first token {ttft} longer than the whole process ({wall} s)"
-    );
-    // The whole trunk is pinned and the experts resident: nothing is read while the run's
-    // clock runs, so the I/O share is 0 although the trunk's read seconds hold the load.
-    let trunk_read = v["trunk"]["read_seconds"]
-        .as_f64()
-        .expect("trunk.read_seconds");
-    assert!(trunk_read >= pinned, "{trunk_read} vs pinned load {pinned}");
-    assert_eq!(
-        num(&v, "io_share"),
-        0.0,
-        "start-up load counted in io_share"
-    );
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("time to first token "))
-        .unwrap_or_else(|| panic!("no time-to-first-token line in the report:\n{stdout}"));
-    assert!(line.contains(&format!("{ttft:.3} s")), "{line} vs {ttft}");
-    assert!(
-        line.contains(&format!("pinned prefix load {pinned:.3} s")),
-        "{line}"
-    );
-    // The existing first-token line is unchanged.
-    assert!(
-        stdout.contains(&format!("first token {first:.3} s, decode ")),
-        "{stdout}"
-    );
+    // No --trunk-gb: the whole trunk is pinned. By default it loads on background threads
+    // beside start-up and the prompt; with K3_PIN_SYNC=1 while the session is built.
+    let mut o: Option<(Output, Value)> = None;
+    for background in [true, false] {
+        let out = dir.join("out.json");
+        let envs: &[(&str, &str)] = if background {
+            &[]
+        } else {
+            &[("K3_PIN_SYNC", "1")]
+        };
+        let t0 = Instant::now();
+        let run = k3_env(
+            &[
+                s(&model),
+                "--ids",
+                "1,2,3",
+                "--gen",
+                "2",
+                "--incremental",
+                "--trunk",
+                s(&trunk),
+                "--threads",
+                "1",
+                "--out",
+                s(&out),
+            ],
+            envs,
+        );
+        let wall = t0.elapsed().as_secs_f64();
+        ok(&run, "pinned run");
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).expect("--out written"))
+            .expect("--out is JSON");
+        let first = num(&v, "first_token_seconds");
+        let pinned = num(&v, "pinned_load_seconds");
+        let ttft = num(&v, "time_to_first_token_seconds");
+        let waited = v["trunk"]["pinned_wait_seconds"]
+            .as_f64()
+            .expect("trunk.pinned_wait_seconds");
+        assert_eq!(
+            v["trunk"]["pinned_background"].as_bool(),
+            Some(background),
+            "{v}"
+        );
+        assert!(pinned > 0.0, "the whole trunk was pinned: {pinned}");
+        assert!(first > 0.0, "a token was generated: {first}");
+        assert!(
+            ttft <= wall,
+            "time to first token {ttft} longer than the whole process ({wall} s)"
+        );
+        let trunk_read = v["trunk"]["read_seconds"]
+            .as_f64()
+            .expect("trunk.read_seconds");
+        assert!(trunk_read >= pinned, "{trunk_read} vs pinned load {pinned}");
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("time to first token "))
+            .unwrap_or_else(|| panic!("no time-to-first-token line in the report:\n{stdout}"))
+            .to_string();
+        assert!(line.contains(&format!("{ttft:.3} s")), "{line} vs {ttft}");
+        let io_share = num(&v, "io_share");
+        if background {
+            // Every layer is used by the first token, so the load ended before it; the run
+            // waited at most the first token's time for it. The experts are resident: the
+            // only I/O the run's clock holds is that wait.
+            assert!(
+                pinned <= ttft && ttft >= first && waited <= first,
+                "pinned load {pinned}, waited {waited}, first token {first}, ttft {ttft}"
+            );
+            let total = num(&v, "total_seconds");
+            assert!(
+                (io_share * total - waited).abs() <= 1e-6 + 1e-9 * total,
+                "io_share {io_share} x {total} s vs waited {waited}"
+            );
+            assert!(
+                line.contains(&format!(
+                    "the pinned prefix loaded beside them in {pinned:.3} s, the run waited {waited:.3} s"
+                )),
+                "{line}"
+            );
+        } else {
+            assert_eq!(waited, 0.0, "{v}");
+            assert!(
+                ttft >= first + pinned,
+                "time to first token {ttft} < first token {first} + pinned load {pinned}"
+            );
+            // Nothing is read while the run's clock runs, so the I/O share is 0 although the
+            // trunk's read seconds hold the load.
+            assert_eq!(io_share, 0.0, "start-up load counted in io_share");
+            assert!(
+                line.contains(&format!("pinned prefix load {pinned:.3} s")),
+                "{line}"
+            );
+        }
+        // The existing first-token line is unchanged.
+        assert!(
+            stdout.contains(&format!("first token {first:.3} s, decode ")),
+            "{stdout}"
+        );
+        o = Some((run, v));
+    }
+    let (o, v) = o.expect("two runs");
 
     // The memory limit the state check used is reported at start and in the JSON.
     let stderr = String::from_utf8_lossy(&o.stderr);

@@ -192,20 +192,34 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         .map(|s| s.next_multiple_of(4096))
         .max()
         .expect("layers");
+    // The same with the pinned prefix loaded in the background: same bytes, same disk bytes.
     for budget in [1u64 << 30, one_slot] {
-        let opts = TrunkOptions {
-            budget_bytes: budget,
-            ring_slots: 1,
-            read_threads: 3,
-            ..TrunkOptions::default()
-        };
-        let mut t = StreamedTrunk::open(&a, &spec, &opts).expect("open compressed trunk");
-        check_passes(&mut t, &spec, &ck, 2);
-        let st = t.stats();
-        assert!(st.bytes_read > 0);
-        if budget == one_slot {
-            assert!(st.pinned_layers < st.n_layers, "{st:?}");
+        let mut read = Vec::new();
+        for background_pinned in [false, true] {
+            let opts = TrunkOptions {
+                budget_bytes: budget,
+                ring_slots: 1,
+                read_threads: 3,
+                background_pinned,
+                ..TrunkOptions::default()
+            };
+            let mut t = StreamedTrunk::open(&a, &spec, &opts).expect("open compressed trunk");
+            check_passes(&mut t, &spec, &ck, 2);
+            let st = t.stats();
+            assert!(st.bytes_read > 0);
+            assert_eq!(
+                st.pinned_background,
+                background_pinned && st.pinned_layers > 0
+            );
+            if budget == one_slot {
+                assert!(st.pinned_layers < st.n_layers, "{st:?}");
+            }
+            read.push(st.bytes_read);
         }
+        assert_eq!(
+            read[0], read[1],
+            "disk bytes, loaded in open vs in the background"
+        );
     }
 
     // A tampered chunk table: a record offset that is not aligned.
@@ -268,6 +282,23 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         ..TrunkOptions::default()
     };
     let e = StreamedTrunk::open(&dmg, &spec, &opts)
+        .map(|_| ())
+        .expect_err("a damaged record is an error");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("layer 1, chunk {k}")) && msg.contains("damaged"),
+        "{msg}"
+    );
+    // Loaded in the background, the same error comes when layer 1 is asked for; layer 0 is
+    // served.
+    let opts = TrunkOptions {
+        background_pinned: true,
+        ..opts
+    };
+    let mut t = StreamedTrunk::open(&dmg, &spec, &opts).expect("opens: the load runs after");
+    t.layer(0).expect("layer 0 is intact");
+    let e = t
+        .layer(1)
         .map(|_| ())
         .expect_err("a damaged record is an error");
     let msg = e.to_string();

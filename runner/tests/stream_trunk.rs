@@ -59,6 +59,7 @@ fn opts(budget: u64, ring: usize) -> TrunkOptions {
         o_direct: true,
         read_threads: 4,
         preload_pinned: true,
+        background_pinned: false,
         active_layers: None,
     }
 }
@@ -239,6 +240,58 @@ fn three_slots_and_out_of_order_requests_still_serve_the_right_bytes() {
         t.layer(f.spec.n_layers).is_err(),
         "out of range layer is an error"
     );
+}
+
+/// The pinned prefix loaded on background threads (the runs' default): every layer, asked in
+/// any order while the load runs, is the checkpoint's bytes; the disk bytes equal a load in
+/// `open`; a trunk dropped mid-load stops it.
+#[test]
+fn background_pinned_load_serves_the_same_bytes() {
+    let f = fixture("trunk_background");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let n = f.sizes.len();
+    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
+    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    for (what, budget, ring) in [
+        ("all pinned", prefix(n), 2),
+        ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 2),
+        ("some pinned, 1 slot", prefix(4) + max_from(4), 1),
+    ] {
+        let mut read = Vec::new();
+        for background in [false, true] {
+            let mut o = opts(budget, ring);
+            o.background_pinned = background;
+            let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
+            let pinned = t.plan().pinned_layers;
+            assert!(pinned >= 4, "{what}: {:?}", t.plan());
+            assert_eq!(t.pinned_in_background(), background, "{what}");
+            let lines = t.startup_lines().join("\n");
+            assert_eq!(
+                lines.contains("loading in the background"),
+                background,
+                "{what}: {lines}"
+            );
+            // The last pinned layer first, then the rest backwards, then cyclic passes.
+            let backwards: Vec<usize> = (0..pinned).rev().collect();
+            check_layers(&mut t, &ck, &backwards);
+            check_passes(&mut t, &f.spec, &ck, 2);
+            let s = t.stats();
+            assert_eq!(s.pinned_background, background, "{what}");
+            assert!(s.pinned_load_seconds > 0.0, "{what}: {s:?}");
+            assert!(s.pinned_wait_seconds <= s.wait_seconds, "{what}: {s:?}");
+            read.push(s.bytes_read);
+        }
+        assert_eq!(
+            read[0], read[1],
+            "{what}: disk bytes, in open vs in the background"
+        );
+    }
+    for _ in 0..3 {
+        let mut o = opts(prefix(n), 2);
+        o.background_pinned = true;
+        let t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
+        drop(t);
+    }
 }
 
 #[test]

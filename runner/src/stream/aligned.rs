@@ -352,11 +352,20 @@ fn too_big(len: usize) -> io::Error {
 /// `madvise(MADV_POPULATE_WRITE)` over each region in 8 MiB steps, in order; stops quietly at
 /// the first refusal (older kernels: the readers then fault their pages themselves).
 pub fn populate_ahead(regions: &[(usize, usize)]) {
+    populate_ahead_while(regions, || true);
+}
+
+/// [`populate_ahead`], stopping before any step for which `go()` is false (a load that was
+/// cancelled: its buffers are about to be freed).
+pub fn populate_ahead_while(regions: &[(usize, usize)], go: impl Fn() -> bool) {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
     const STEP: usize = 8 << 20;
     for &(addr, len) in regions {
         let mut off = 0;
         while off < len {
+            if !go() {
+                return;
+            }
             let n = STEP.min(len - off);
             // SAFETY: the range lies inside a live anonymous mapping owned by the caller (the
             // pinned buffers outlive the scope this runs in); POPULATE_WRITE only faults pages

@@ -415,6 +415,74 @@ fn read_chunk(
     })
 }
 
+/// One chunk of a layer to read and decode into its place in the layer's buffer.
+pub struct ChunkJob<'a> {
+    layer: usize,
+    /// The layer's offset in trunk.bin.
+    offset: u64,
+    i: usize,
+    /// Raw bytes of the chunk.
+    n: usize,
+    c: &'a StoredChunk,
+    place: &'a mut [u8],
+}
+
+impl ChunkJob<'_> {
+    /// Disk bytes the read covers (the record's aligned span).
+    pub fn disk_bytes(&self, file: &DirectFile) -> u64 {
+        file.span(self.offset + self.c.at, self.c.len as usize).len as u64
+    }
+
+    /// Read the record and decode it in place.
+    pub fn run(self, file: &DirectFile) -> Result<(), StreamError> {
+        read_chunk(
+            file,
+            self.offset,
+            self.layer,
+            self.i,
+            self.n,
+            self.c,
+            self.place,
+        )
+    }
+}
+
+/// The chunk jobs of one layer, in file order, after checking that its stored records and
+/// its destination fit its size.
+pub fn chunk_jobs(chunk_bytes: u64, lr: LayerRead<'_>) -> Result<Vec<ChunkJob<'_>>, StreamError> {
+    let n_chunks = lr.size.div_ceil(chunk_bytes) as usize;
+    let room = align_up(lr.size, IO_ALIGN as u64) as usize;
+    if lr.stored.chunks.len() != n_chunks
+        || lr.dst.len() < room
+        || !chunk_bytes.is_multiple_of(IO_ALIGN as u64)
+    {
+        return Err(StreamError::Invalid(format!(
+            "layer {}: {} stored chunks for {} bytes in {}-byte chunks, destination {} bytes",
+            lr.layer,
+            lr.stored.chunks.len(),
+            lr.size,
+            chunk_bytes,
+            lr.dst.len()
+        )));
+    }
+    let (layer, offset, size) = (lr.layer, lr.offset, lr.size);
+    Ok(lr
+        .stored
+        .chunks
+        .iter()
+        .enumerate()
+        .zip(lr.dst[..room].chunks_mut(chunk_bytes as usize))
+        .map(|((i, c), place)| ChunkJob {
+            layer,
+            offset,
+            i,
+            n: chunk_raw_len(size, chunk_bytes, i),
+            c,
+            place,
+        })
+        .collect())
+}
+
 /// Read and decode every chunk of `layers` on `pool` (one task per chunk, issued in file
 /// order, each into its own place in its layer's buffer); returns the disk bytes read
 /// (aligned record spans).
@@ -424,43 +492,18 @@ pub fn read_layers(
     chunk_bytes: u64,
     layers: Vec<LayerRead<'_>>,
 ) -> Result<u64, StreamError> {
-    let mut outs: Vec<Option<Result<(), StreamError>>> = Vec::new();
-    let mut bytes = 0u64;
     let mut jobs = Vec::new();
     for lr in layers {
-        let n_chunks = lr.size.div_ceil(chunk_bytes) as usize;
-        let room = align_up(lr.size, IO_ALIGN as u64) as usize;
-        if lr.stored.chunks.len() != n_chunks
-            || lr.dst.len() < room
-            || !chunk_bytes.is_multiple_of(IO_ALIGN as u64)
-        {
-            return Err(StreamError::Invalid(format!(
-                "layer {}: {} stored chunks for {} bytes in {}-byte chunks, destination {} bytes",
-                lr.layer,
-                lr.stored.chunks.len(),
-                lr.size,
-                chunk_bytes,
-                lr.dst.len()
-            )));
-        }
-        for ((i, c), place) in lr
-            .stored
-            .chunks
-            .iter()
-            .enumerate()
-            .zip(lr.dst[..room].chunks_mut(chunk_bytes as usize))
-        {
-            let n = chunk_raw_len(lr.size, chunk_bytes, i);
-            bytes += file.span(lr.offset + c.at, c.len as usize).len as u64;
-            jobs.push((lr.layer, lr.offset, i, n, c, place));
-        }
+        jobs.extend(chunk_jobs(chunk_bytes, lr)?);
     }
+    let bytes = jobs.iter().map(|j| j.disk_bytes(file)).sum();
+    let mut outs: Vec<Option<Result<(), StreamError>>> = Vec::new();
     outs.resize_with(jobs.len(), || None);
     {
         let mut tasks: Vec<Box<dyn FnOnce() + Send + '_>> = Vec::with_capacity(jobs.len());
-        for ((layer, offset, i, n, c, place), out) in jobs.into_iter().zip(outs.iter_mut()) {
+        for (job, out) in jobs.into_iter().zip(outs.iter_mut()) {
             tasks.push(Box::new(move || {
-                *out = Some(read_chunk(file, offset, layer, i, n, c, place));
+                *out = Some(job.run(file));
             }));
         }
         if tasks.len() == 1 {

@@ -19,6 +19,7 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -47,6 +48,11 @@ pub struct TrunkOptions {
     pub read_threads: usize,
     /// Load the pinned prefix in `open` (true) or each pinned layer on its first use.
     pub preload_pinned: bool,
+    /// With `preload_pinned`: start the load in `open` on background threads and return at
+    /// once; a pinned layer not read yet is waited for when it is asked for, so the load
+    /// overlaps the rest of start-up and the first token's prefill. Ignored (the load runs in
+    /// `open`) when the trunk's read pool uses io_uring.
+    pub background_pinned: bool,
     /// Only the first N layers are used (`--layers N`); `None` = all.
     pub active_layers: Option<usize>,
 }
@@ -59,6 +65,7 @@ impl Default for TrunkOptions {
             o_direct: true,
             read_threads: 8,
             preload_pinned: true,
+            background_pinned: false,
             active_layers: None,
         }
     }
@@ -74,6 +81,14 @@ pub const READ_PIECE: usize = 4 << 20;
 /// pinned, page cache dropped, alternating): 2462-2548 MB/s at 16 vs 1903-2315 MB/s with the
 /// trunk's 8 reader threads, against 2587 MB/s for the QD16 probe (docs/PERFORMANCE.md).
 pub const PINNED_LOAD_DEPTH: usize = 16;
+
+/// Piece size of a background pinned load (raw trunk). Smaller than [`READ_PIECE`]: the
+/// load shares the disk with the expert reads of the prompt it runs beside, and each of those
+/// waits behind the load's reads in flight (depth x piece: 16 MiB here, not 64). k3-mini, all
+/// pinned, `--gen 1`, page cache dropped, 3-4 runs each: time to first token median 2.26 s
+/// with 1 MiB pieces vs 2.38 s with 4 MiB, 2.60-2.69 s loading in the session build
+/// (docs/PERFORMANCE.md, "Fourteenth session").
+pub const PINNED_BACKGROUND_PIECE: usize = 1 << 20;
 
 /// A loaded layer: the buffer and where the layer's first byte sits in it.
 #[derive(Debug)]
@@ -93,6 +108,216 @@ struct ReadDone {
     result: Result<usize, StreamError>,
     seconds: f64,
     bytes: u64,
+}
+
+/// A pinned layer's buffer handed to the background load: the load writes it through this
+/// pointer, the trunk keeps the [`AlignedBuf`] (see [`PinLoad`] for why that is sound).
+struct Place {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `Place` is only a destination address; see `PinLoad`.
+unsafe impl Send for Place {}
+
+/// One pinned layer read by the background load.
+struct PinDone {
+    layer: usize,
+    /// Disk bytes read, or the first error of the layer.
+    result: Result<u64, StreamError>,
+    at: Instant,
+}
+
+/// The pinned prefix loading in the background (`TrunkOptions::background_pinned`).
+///
+/// Soundness of the shared buffers: the trunk allocates every pinned buffer and keeps it in
+/// `StreamedTrunk::loading`; the load thread writes each through a [`Place`] and never reads
+/// or frees it. The trunk makes no reference into a buffer until the load has reported that
+/// layer complete over `done` (the channel orders the writes before the reads), and then no
+/// write touches it again. A layer reported failed may still have pieces in flight, so its
+/// buffer moves to `StreamedTrunk::retired`, freed only after the thread has been joined (or
+/// has ended: its channel disconnected). `StreamedTrunk`'s `Drop` cancels the load and joins
+/// its thread before any buffer is freed.
+struct PinLoad {
+    done: mpsc::Receiver<PinDone>,
+    cancel: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+    started: Instant,
+    /// Layers not reported yet.
+    outstanding: usize,
+    /// The latest report's time.
+    last: Instant,
+    depth: usize,
+}
+
+/// The background load's thread: every piece (raw) or record (compressed) of `layers`, in
+/// file order, at the depth of `pool`, each layer reported on `tx` once all its reads landed
+/// (or at its first error); the buffers populated ahead of the reads as in `load_pinned`.
+fn background_load(
+    pool: ReadPool,
+    file: Arc<DirectFile>,
+    manifest: Arc<TrunkManifest>,
+    layers: Vec<(usize, Place, usize)>,
+    cancel: Arc<AtomicBool>,
+    tx: mpsc::Sender<PinDone>,
+    populate: bool,
+) {
+    // Build the jobs of every layer: (layer slot k, job).
+    enum Job<'a> {
+        Raw {
+            offset: u64,
+            len: usize,
+            buf: &'a mut [u8],
+        },
+        Chunk(compress::ChunkJob<'a>),
+    }
+    let regions: Vec<(usize, usize)> = layers
+        .iter()
+        .map(|(_, p, _)| (p.ptr as usize, p.len))
+        .collect();
+    let align = file.offset_align();
+    let piece = PINNED_BACKGROUND_PIECE;
+    let mut jobs: Vec<(usize, Job<'_>)> = Vec::new();
+    let mut disk = vec![0u64; layers.len()];
+    let mut failed_early: Vec<Option<StreamError>> = (0..layers.len()).map(|_| None).collect();
+    for (k, (l, place, lead)) in layers.iter().enumerate() {
+        // SAFETY: see `PinLoad`: the buffer is live until this thread has been joined and
+        // nothing else references it until layer `l` is reported.
+        let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(place.ptr, place.len) };
+        let pl = &manifest.layers[*l];
+        match (&manifest.compression, &pl.stored) {
+            (Some(c), Some(stored)) => {
+                let lr = compress::LayerRead {
+                    layer: *l,
+                    offset: pl.offset,
+                    size: pl.size,
+                    stored,
+                    dst: buf,
+                };
+                match compress::chunk_jobs(c.chunk_bytes, lr) {
+                    Ok(js) => {
+                        for j in js {
+                            disk[k] += j.disk_bytes(&file);
+                            jobs.push((k, Job::Chunk(j)));
+                        }
+                    }
+                    Err(e) => failed_early[k] = Some(e),
+                }
+            }
+            (Some(_), None) => {
+                failed_early[k] = Some(StreamError::Invalid(format!(
+                    "packed trunk layer {l} has no stored records"
+                )));
+            }
+            (None, _) => {
+                let size = pl.size as usize;
+                if *lead == 0 && piece.is_multiple_of(align) {
+                    for (i, dst) in buf.chunks_mut(piece).enumerate() {
+                        let start = i * piece;
+                        if start >= size {
+                            break;
+                        }
+                        let len = (size - start).min(piece);
+                        disk[k] += file.span(pl.offset + start as u64, len).len as u64;
+                        jobs.push((
+                            k,
+                            Job::Raw {
+                                offset: pl.offset + start as u64,
+                                len,
+                                buf: dst,
+                            },
+                        ));
+                    }
+                } else {
+                    disk[k] += file.span(pl.offset, size).len as u64;
+                    jobs.push((
+                        k,
+                        Job::Raw {
+                            offset: pl.offset,
+                            len: size,
+                            buf,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    let remaining: Vec<AtomicUsize> = (0..layers.len()).map(|_| AtomicUsize::new(0)).collect();
+    for (k, _) in &jobs {
+        remaining[*k].fetch_add(1, Ordering::Relaxed);
+    }
+    let failed: Vec<AtomicBool> = (0..layers.len()).map(|_| AtomicBool::new(false)).collect();
+    for (k, e) in failed_early.into_iter().enumerate() {
+        if let Some(e) = e {
+            failed[k].store(true, Ordering::Relaxed);
+            let _ = tx.send(PinDone {
+                layer: layers[k].0,
+                result: Err(e),
+                at: Instant::now(),
+            });
+        }
+    }
+    let (file, tx, cancel) = (&*file, &tx, &*cancel);
+    let ids: Vec<usize> = layers.iter().map(|(l, _, _)| *l).collect();
+    let (remaining, failed, disk, ids) = (&remaining, &failed, &disk, &ids);
+    std::thread::scope(|sc| {
+        if populate {
+            let regions = &regions;
+            let _ = std::thread::Builder::new()
+                .name("k3-pin-populate".to_string())
+                .spawn_scoped(sc, move || {
+                    super::aligned::populate_ahead_while(regions, || {
+                        !cancel.load(Ordering::Relaxed)
+                    })
+                });
+        }
+        let tasks: Vec<Box<dyn FnOnce() + Send + '_>> = jobs
+            .into_iter()
+            .map(|(k, job)| {
+                Box::new(move || {
+                    if cancel.load(Ordering::Relaxed) || failed[k].load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let r = match job {
+                        Job::Raw { offset, len, buf } => {
+                            file.read_into(offset, len, buf).and_then(|lead| {
+                                if lead == 0 {
+                                    Ok(())
+                                } else {
+                                    Err(StreamError::Invalid(format!(
+                                        "pinned layer {}: a piece at byte {offset} is not aligned",
+                                        ids[k]
+                                    )))
+                                }
+                            })
+                        }
+                        Job::Chunk(j) => j.run(file),
+                    };
+                    match r {
+                        Ok(()) => {
+                            if remaining[k].fetch_sub(1, Ordering::AcqRel) == 1 {
+                                let _ = tx.send(PinDone {
+                                    layer: ids[k],
+                                    result: Ok(disk[k]),
+                                    at: Instant::now(),
+                                });
+                            }
+                        }
+                        Err(e) => {
+                            if !failed[k].swap(true, Ordering::AcqRel) {
+                                let _ = tx.send(PinDone {
+                                    layer: ids[k],
+                                    result: Err(e),
+                                    at: Instant::now(),
+                                });
+                            }
+                        }
+                    }
+                }) as Box<dyn FnOnce() + Send + '_>
+            })
+            .collect();
+        pool.run_tasks(tasks);
+    });
 }
 
 /// Where the reader puts streamed layers.
@@ -181,6 +406,17 @@ pub struct StreamedTrunk {
     file: Arc<DirectFile>,
     pool: Arc<ReadPool>,
     pinned: Vec<Option<Loaded>>,
+    /// Pinned buffers the background load is filling (moved to `pinned` when reported).
+    loading: Vec<Option<Loaded>>,
+    /// A background load's error for a pinned layer, returned when the layer is asked for.
+    pin_errors: Vec<Option<StreamError>>,
+    /// Buffers of layers whose background load failed, kept until the load thread is joined.
+    retired: Vec<Loaded>,
+    bg: Option<PinLoad>,
+    /// Seconds the executor waited for the background load.
+    pinned_wait_seconds: f64,
+    /// The pinned prefix was given to a background load.
+    background: bool,
     /// Unpinned active layers, in order.
     streamed: Vec<usize>,
     ring: Ring,
@@ -374,6 +610,12 @@ impl StreamedTrunk {
             file,
             pool,
             pinned: (0..active).map(|_| None).collect(),
+            loading: (0..active).map(|_| None).collect(),
+            pin_errors: (0..active).map(|_| None).collect(),
+            retired: Vec::new(),
+            bg: None,
+            pinned_wait_seconds: 0.0,
+            background: false,
             streamed,
             ring,
             stats,
@@ -385,9 +627,152 @@ impl StreamedTrunk {
             huge_pages,
         };
         if opts.preload_pinned {
-            t.load_pinned()?;
+            if opts.background_pinned && !t.pool.uses_io_uring() {
+                t.start_background_load()?;
+            } else {
+                t.load_pinned()?;
+            }
         }
         Ok(t)
+    }
+
+    /// Allocate every pinned buffer and start [`background_load`] on its own thread.
+    fn start_background_load(&mut self) -> Result<(), StreamError> {
+        let todo: Vec<usize> = (0..self.plan.pinned_layers)
+            .filter(|&l| self.pinned[l].is_none() && self.loading[l].is_none())
+            .collect();
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut layers = Vec::with_capacity(todo.len());
+        for &l in &todo {
+            let pl = &self.manifest.layers[l];
+            let span = self.file.span(pl.offset, pl.size as usize);
+            let mut b = AlignedBuf::new(span.len).map_err(|e| {
+                StreamError::Invalid(format!(
+                    "cannot allocate the pinned buffer of layer {l} ({}): {e}",
+                    fmt_bytes(pl.size)
+                ))
+            })?;
+            self.huge_pages |= b.huge_pages();
+            // A compressed layer lands at 0 (records are decoded in place).
+            let lead = if self.manifest.compression.is_some() {
+                0
+            } else {
+                span.lead
+            };
+            let full = b.full_mut();
+            layers.push((
+                l,
+                Place {
+                    ptr: full.as_mut_ptr(),
+                    len: full.len(),
+                },
+                lead,
+            ));
+            self.loading[l] = Some(Loaded { buf: b, lead });
+        }
+        let depth = self.pool.depth().max(PINNED_LOAD_DEPTH);
+        let pool = ReadPool::new(depth)?;
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (file, manifest, c) = (
+            Arc::clone(&self.file),
+            Arc::clone(&self.manifest),
+            Arc::clone(&cancel),
+        );
+        let populate = std::env::var_os("K3_NO_PIN_POPULATE").is_none();
+        let handle = std::thread::Builder::new()
+            .name("k3-pin-load".to_string())
+            .spawn(move || background_load(pool, file, manifest, layers, c, tx, populate))
+            .map_err(|e| {
+                StreamError::Invalid(format!("cannot start the pinned-load thread: {e}"))
+            })?;
+        self.pinned_load_depth = depth;
+        self.background = true;
+        self.bg = Some(PinLoad {
+            done: rx,
+            cancel,
+            handle: Some(handle),
+            started,
+            outstanding: todo.len(),
+            last: started,
+            depth,
+        });
+        Ok(())
+    }
+
+    /// Take one report of the background load.
+    fn take_pin_done(&mut self, d: PinDone) {
+        let Some(bg) = &mut self.bg else {
+            return;
+        };
+        bg.outstanding = bg.outstanding.saturating_sub(1);
+        bg.last = bg.last.max(d.at);
+        let loaded = self.loading[d.layer].take();
+        match d.result {
+            Ok(bytes) => {
+                self.pinned[d.layer] = loaded;
+                self.stats.bytes_read += bytes;
+            }
+            Err(e) => {
+                // Other pieces of this layer may still be in flight: the buffer is freed only
+                // after the load thread has been joined.
+                self.retired.extend(loaded);
+                self.pin_errors[d.layer] = Some(e);
+            }
+        }
+        if bg.outstanding == 0 {
+            let secs = (bg.last - bg.started).as_secs_f64();
+            self.pinned_load_seconds += secs;
+            self.stats.read_seconds += secs;
+            if let Some(h) = bg.handle.take() {
+                let _ = h.join();
+            }
+            self.bg = None;
+            self.retired.clear();
+        }
+    }
+
+    /// Take every report the background load has sent, without waiting.
+    fn poll_background(&mut self) {
+        while let Some(d) = self.bg.as_ref().and_then(|bg| bg.done.try_recv().ok()) {
+            self.take_pin_done(d);
+        }
+    }
+
+    /// Wait until the background load has reported pinned layer `layer`.
+    fn wait_pinned(&mut self, layer: usize) -> Result<(), WeightError> {
+        self.poll_background();
+        let t0 = Instant::now();
+        while self.pinned[layer].is_none() && self.pin_errors[layer].is_none() {
+            let Some(bg) = &self.bg else {
+                break;
+            };
+            match bg.done.recv() {
+                Ok(d) => self.take_pin_done(d),
+                Err(_) => {
+                    // The load thread ended (every sender is gone, so no task runs) without
+                    // reporting this layer: a task panicked.
+                    self.bg = None;
+                    self.retired.clear();
+                    self.loading[layer] = None;
+                    return Err(WeightError::Invalid {
+                        name: format!("trunk layer {layer}"),
+                        msg: "the background load of the pinned prefix stopped before this                               layer was read (a reader thread failed)"
+                            .to_string(),
+                    });
+                }
+            }
+        }
+        let waited = t0.elapsed().as_secs_f64();
+        self.pinned_wait_seconds += waited;
+        self.stats.wait_seconds += waited;
+        if let Some(e) = self.pin_errors[layer].take() {
+            return Err(weight_err(layer, e));
+        }
+        Ok(())
     }
 
     /// Load every pinned layer not loaded yet, in parallel pieces; returns the seconds taken.
@@ -532,9 +917,14 @@ impl StreamedTrunk {
         &self.plan
     }
 
-    /// Seconds spent loading the pinned prefix.
+    /// Seconds spent loading the pinned prefix (a background load counts once it finished).
     pub fn pinned_load_seconds(&self) -> f64 {
         self.pinned_load_seconds
+    }
+
+    /// Whether the pinned prefix is (or was) loaded on background threads.
+    pub fn pinned_in_background(&self) -> bool {
+        self.background
     }
 
     /// Reader threads this trunk has started (0 with one ring slot, at most 1 otherwise).
@@ -617,7 +1007,18 @@ impl StreamedTrunk {
                 .filter(|&l| self.pinned[l].is_some())
                 .map(|l| self.manifest.layers[l].size)
                 .sum();
-            if loaded > 0 && self.pinned_load_seconds > 0.0 {
+            if let Some(bg) = &self.bg {
+                let bytes: u64 = (0..self.plan.pinned_layers)
+                    .map(|l| self.manifest.layers[l].size)
+                    .sum();
+                lines.push(format!(
+                    "pinned prefix: {} of {} layers loading in the background (queue depth {}) \
+                     while start-up and the prompt run; a layer not read yet is waited for",
+                    fmt_bytes(bytes),
+                    self.plan.pinned_layers,
+                    bg.depth
+                ));
+            } else if loaded > 0 && self.pinned_load_seconds > 0.0 {
                 lines.push(format!(
                     "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s, queue depth {})",
                     fmt_bytes(loaded),
@@ -879,7 +1280,15 @@ impl StreamedTrunk {
         {
             p.slots.give_back(cur.buf);
         }
+        if self.bg.is_some() {
+            self.poll_background();
+        }
         if self.plan.is_pinned(layer) {
+            if self.pinned[layer].is_none()
+                && (self.loading[layer].is_some() || self.pin_errors[layer].is_some())
+            {
+                self.wait_pinned(layer)?;
+            }
             self.load_pinned_one(layer)?;
             // Read the next streamed layers while the pinned ones compute.
             self.start_reader()?;
@@ -951,12 +1360,23 @@ impl TrunkSource for StreamedTrunk {
     fn stats(&self) -> TrunkStats {
         let mut s = self.stats.clone();
         s.o_direct = self.file.is_direct();
+        s.pinned_load_seconds = self.pinned_load_seconds;
+        s.pinned_wait_seconds = self.pinned_wait_seconds;
+        s.pinned_background = self.background;
         s
     }
 }
 
 impl Drop for StreamedTrunk {
     fn drop(&mut self) {
+        // The background load writes into buffers this trunk owns: stop it and wait for its
+        // thread before they are freed.
+        if let Some(bg) = &mut self.bg {
+            bg.cancel.store(true, Ordering::Relaxed);
+            if let Some(h) = bg.handle.take() {
+                let _ = h.join();
+            }
+        }
         if let Ring::Prefetch(p) = &mut self.ring {
             p.jobs = None; // closes the channel: the reader finishes its job and exits
             if let Some(h) = p.handle.take() {

@@ -7,9 +7,17 @@ use std::process::{Command, Output};
 
 /// Run the `k3-run` binary with `args` on the default kernel path (`K3_ISA` removed).
 pub fn k3(args: &[&str]) -> Output {
+    k3_env(args, &[])
+}
+
+/// [`k3`] with extra environment variables (the caller's `K3_ISA` and `K3_PIN_SYNC` are
+/// never passed on).
+pub fn k3_env(args: &[&str], envs: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_k3-run"))
         .args(args)
         .env_remove("K3_ISA")
+        .env_remove("K3_PIN_SYNC")
+        .envs(envs.iter().copied())
         .output()
         .expect("spawn k3-run")
 }

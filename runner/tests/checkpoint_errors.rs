@@ -612,3 +612,87 @@ fn shard_path_that_is_not_a_regular_file_says_what_it_is() {
         "{msg}"
     );
 }
+
+/// A header that is valid JSON but no object, or names a tensor twice (the header parser
+/// walks the entries one by one; a JSON map would have kept the last silently).
+#[test]
+fn header_not_an_object_or_with_a_tensor_twice() {
+    let f = fixture();
+    let path = f.shard_of(Q0);
+    let bytes = fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let text = std::str::from_utf8(&bytes[8..8 + n]).unwrap().trim_end();
+    // Q0's entry written a second time, before the closing brace.
+    let q0 = serde_json::from_str::<serde_json::Value>(text).unwrap()[Q0].clone();
+    let twice = format!("{},\"{Q0}\":{q0}}}", &text[..text.len() - 1]);
+    for (json, want) in [
+        (twice, "appears twice in the header"),
+        ("[1, 2, 3]".to_string(), "top level is not a JSON object"),
+    ] {
+        let mut json = json;
+        while !json.len().is_multiple_of(8) {
+            json.push(' ');
+        }
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(json.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        fs::write(&path, out).unwrap();
+        let err = f.open().unwrap_err();
+        assert!(err.to_string().contains(want), "{want}: {err}");
+        assert_names(&err, &path, None);
+        if want.contains("twice") {
+            assert_names(&err, &path, Some(Q0));
+        }
+    }
+}
+
+/// The index: a file name that is no string is refused naming the tensor; no `weight_map`
+/// object is said so; a name given twice keeps its last file, as a JSON object does.
+#[test]
+fn index_values_and_duplicate_names() {
+    let f = fixture();
+    let index = f.dir.join("model.safetensors.index.json");
+    let clean = fs::read_to_string(&index).unwrap();
+    let mut idx = f.index();
+    idx["weight_map"][Q0] = serde_json::json!(7);
+    f.write_index(&idx);
+    let err = f.open().unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::IndexInvalid { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("is not a string"), "{err}");
+    assert_names(&err, &index, Some(Q0));
+    for bad in [
+        serde_json::json!({"metadata": {}}),
+        serde_json::json!({"weight_map": "model-00001-of-00004.safetensors"}),
+        serde_json::json!([1, 2]),
+    ] {
+        f.write_index(&bad);
+        let err = f.open().unwrap_err();
+        assert!(
+            err.to_string().contains("no \"weight_map\" object"),
+            "{bad}: {err}"
+        );
+        assert_names(&err, &index, None);
+    }
+    // Q0 first mapped to a shard that does not hold it, then to the right one: the last wins.
+    fs::write(&index, &clean).unwrap();
+    let right = f.index()["weight_map"][Q0].as_str().unwrap().to_string();
+    let wrong = if right.contains("00001") {
+        right.replace("00001", "00002")
+    } else {
+        right.replace(&right[6..11], "00001")
+    };
+    let needle = format!("\"{Q0}\": \"{right}\"");
+    assert!(clean.contains(&needle), "pretty index holds {needle}");
+    let twice = clean.replacen(&needle, &format!("\"{Q0}\": \"{wrong}\",\n    {needle}"), 1);
+    fs::write(&index, &twice).unwrap();
+    f.open()
+        .expect("the last file given for a name is the one used");
+    let twice = clean.replacen(&needle, &format!("{needle},\n    \"{Q0}\": \"{wrong}\""), 1);
+    fs::write(&index, &twice).unwrap();
+    let err = f.open().unwrap_err();
+    assert_names(&err, &index, Some(Q0));
+    fs::write(&index, &clean).unwrap();
+}

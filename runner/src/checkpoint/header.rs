@@ -134,20 +134,84 @@ pub fn parse_header_json(path: &Path, json: &[u8]) -> Result<Vec<HeaderEntry>, C
         file: path.to_path_buf(),
         msg,
     };
-    let value: serde_json::Value =
-        serde_json::from_slice(json).map_err(|e| json_err(e.to_string()))?;
-    let serde_json::Value::Object(map) = value else {
+    // The top-level object is walked entry by entry (each entry a small JSON value checked by
+    // `parse_entry`), not built into one map: a released K3 shard holds ~5,000 entries and
+    // the checkpoint ~500,000, and a sorted map of them all cost more than the parse.
+    // JSON text is UTF-8 (RFC 8259), also where the walk below skips (`__metadata__`).
+    let json = std::str::from_utf8(json).map_err(|e| {
+        json_err(format!(
+            "not UTF-8 text (byte {} of the header)",
+            e.valid_up_to()
+        ))
+    })?;
+    let mut de = serde_json::Deserializer::from_str(json);
+    let raw = serde::Deserializer::deserialize_any(&mut de, EntriesVisitor)
+        .and_then(|r| de.end().map(|()| r))
+        .map_err(|e| json_err(e.to_string()))?;
+    let Some(raw) = raw else {
         return Err(json_err("top level is not a JSON object".into()));
     };
-    let mut entries = Vec::with_capacity(map.len());
-    for (name, v) in map {
-        if name == "__metadata__" {
-            continue;
+    let mut seen = std::collections::HashSet::with_capacity(raw.len());
+    let mut entries = Vec::with_capacity(raw.len());
+    for (name, v) in raw {
+        if !seen.insert(name.clone()) {
+            return Err(CheckpointError::HeaderEntry {
+                file: path.to_path_buf(),
+                tensor: name,
+                msg: "appears twice in the header".to_string(),
+            });
         }
         entries.push(parse_entry(path, name, &v)?);
     }
     entries.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
     Ok(entries)
+}
+
+/// The header's entries as (name, value) in file order, `__metadata__` skipped; `None` when
+/// the top level is not an object.
+struct EntriesVisitor;
+
+impl<'de> serde::de::Visitor<'de> for EntriesVisitor {
+    type Value = Option<Vec<(String, serde_json::Value)>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensor entries")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some(name) = map.next_key::<String>()? {
+            if name == "__metadata__" {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            } else {
+                out.push((name, map.next_value::<serde_json::Value>()?));
+            }
+        }
+        Ok(Some(out))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
 }
 
 fn parse_entry(

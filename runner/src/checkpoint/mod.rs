@@ -168,16 +168,68 @@ pub fn read_index_with_total(
         msg,
     };
     let text = std::fs::read(index).map_err(|e| io_err(index, "read index", e))?;
-    let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    // Typed, not a `serde_json::Value`: the released index maps ~500,000 names, and a
+    // sorted map built during the parse and another after it cost more than the parse.
+    #[derive(serde::Deserialize)]
+    struct IndexFile {
+        weight_map: Option<WeightMap>,
+        metadata: Option<serde_json::Value>,
+    }
+    struct WeightMap(Vec<(String, Result<String, String>)>);
+    impl<'de> serde::Deserialize<'de> for WeightMap {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = WeightMap;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("an object of tensor name -> shard file")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<WeightMap, A::Error> {
+                    let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                    while let Some(name) = map.next_key::<String>()? {
+                        // A value that is not a string is kept as its JSON text and refused
+                        // below by name.
+                        let file = match map.next_value::<serde_json::Value>()? {
+                            serde_json::Value::String(f) => Ok(f),
+                            other => Err(other.to_string()),
+                        };
+                        out.push((name, file));
+                    }
+                    Ok(WeightMap(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    let text = String::from_utf8(text).map_err(|e| {
+        bad(format!(
+            "not UTF-8 text (byte {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    let v: IndexFile = serde_json::from_str(&text).map_err(|e| {
+        // Say what is wrong in the index's terms, not the parser's.
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Err(syntax) => bad(syntax.to_string()),
+            Ok(v)
+                if !v
+                    .get("weight_map")
+                    .is_some_and(serde_json::Value::is_object) =>
+            {
+                bad("no \"weight_map\" object".into())
+            }
+            Ok(_) => bad(e.to_string()),
+        }
+    })?;
     let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
+        .weight_map
         .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
-    let mut out = BTreeMap::new();
-    for (name, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;
+    let mut entries = Vec::with_capacity(map.0.len());
+    for (name, file) in map.0 {
+        let file = file.map_err(|_| bad(format!("weight_map[{name:?}] is not a string")))?;
         let plain = !file.is_empty()
             && !file.contains('/')
             && !file.contains('\\')
@@ -188,10 +240,13 @@ pub fn read_index_with_total(
                 "weight_map[{name:?}] = {file:?} is not a plain file name in the checkpoint directory"
             )));
         }
-        out.insert(name.clone(), file.to_string());
+        entries.push((name, file));
     }
+    // A name given twice keeps its last file, as a JSON object does.
+    let out: BTreeMap<String, String> = entries.into_iter().collect();
     let total = v
-        .get("metadata")
+        .metadata
+        .as_ref()
         .and_then(|m| m.get("total_size"))
         .and_then(serde_json::Value::as_u64);
     Ok((out, total))

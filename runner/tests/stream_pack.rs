@@ -281,14 +281,16 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         budget_bytes: 1 << 30,
         ..TrunkOptions::default()
     };
+    let names_the_record = |msg: String| {
+        assert!(
+            msg.contains(&format!("layer 1, chunk {k}")) && msg.contains("damaged"),
+            "{msg}"
+        );
+    };
     let e = StreamedTrunk::open(&dmg, &spec, &opts)
         .map(|_| ())
         .expect_err("a damaged record is an error");
-    let msg = e.to_string();
-    assert!(
-        msg.contains(&format!("layer 1, chunk {k}")) && msg.contains("damaged"),
-        "{msg}"
-    );
+    names_the_record(e.to_string());
     // Loaded in the background, the same error comes when layer 1 is asked for; layer 0 is
     // served.
     let opts = TrunkOptions {
@@ -301,11 +303,7 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         .layer(1)
         .map(|_| ())
         .expect_err("a damaged record is an error");
-    let msg = e.to_string();
-    assert!(
-        msg.contains(&format!("layer 1, chunk {k}")) && msg.contains("damaged"),
-        "{msg}"
-    );
+    names_the_record(e.to_string());
 }
 
 /// A trunk.bin that is no regular file (a directory, a FIFO) is said to be that, not an

@@ -28,7 +28,7 @@ use k3_models::spec::{ModelSpec, TensorDecl};
 
 use super::aligned::{AlignedBuf, EndsRing};
 use super::compress;
-use super::direct::{DirectFile, ReadPool, ReadReq};
+use super::direct::{DirectFile, ReadPool};
 use super::pack::{TRUNK_BIN, TrunkManifest, layer_trunk_decls};
 use super::plan::{TrunkPlan, plan_trunk};
 use super::{StreamError, fmt_bytes};
@@ -50,8 +50,9 @@ pub struct TrunkOptions {
     pub preload_pinned: bool,
     /// With `preload_pinned`: start the load in `open` on background threads and return at
     /// once; a pinned layer not read yet is waited for when it is asked for, so the load
-    /// overlaps the rest of start-up and the first token's prefill. Ignored (the load runs in
-    /// `open`) when the trunk's read pool uses io_uring.
+    /// overlaps the rest of start-up and the first token's prefill. Either way the pinned
+    /// load reads on its own pool of pread threads (at least [`PINNED_LOAD_DEPTH`]), also when
+    /// the trunk's ring reads use io_uring.
     pub background_pinned: bool,
     /// Only the first N layers are used (`--layers N`); `None` = all.
     pub active_layers: Option<usize>,
@@ -150,18 +151,35 @@ struct PinLoad {
     depth: usize,
 }
 
-/// The background load's thread: every piece (raw) or record (compressed) of `layers`, in
-/// file order, at the depth of `pool`, each layer reported on `tx` once all its reads landed
-/// (or at its first error); the buffers populated ahead of the reads as in `load_pinned`.
-fn background_load(
+/// What [`background_load`] reads, and with what.
+struct LoadWork {
     pool: ReadPool,
     file: Arc<DirectFile>,
     manifest: Arc<TrunkManifest>,
+    /// (layer, its buffer, the lead of its first byte).
     layers: Vec<(usize, Place, usize)>,
-    cancel: Arc<AtomicBool>,
-    tx: mpsc::Sender<PinDone>,
+    /// Read size of raw layers.
+    piece: usize,
+    /// Populate the buffers ahead of the reads.
     populate: bool,
-) {
+}
+
+/// The load's thread: every piece (raw) or record (compressed) of the layers, in file order,
+/// at the depth of the pool, each layer reported on `tx` once all its reads landed (or at its
+/// first error). Fresh anonymous pages are zeroed by the kernel when first touched, and an
+/// O_DIRECT read faults its target pages in before the device is asked, so the readers would
+/// stall on zeroing: a helper populates the buffers ahead of the reads (MADV_POPULATE_WRITE
+/// allocates and zeroes pages not yet present and never changes a page that is; a reader that
+/// overtakes it faults its own pages).
+fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<PinDone>) {
+    let LoadWork {
+        pool,
+        file,
+        manifest,
+        layers,
+        piece,
+        populate,
+    } = work;
     // Build the jobs of every layer: (layer slot k, job).
     enum Job<'a> {
         Raw {
@@ -176,7 +194,6 @@ fn background_load(
         .map(|(_, p, _)| (p.ptr as usize, p.len))
         .collect();
     let align = file.offset_align();
-    let piece = PINNED_BACKGROUND_PIECE;
     let mut jobs: Vec<(usize, Job<'_>)> = Vec::new();
     let mut disk = vec![0u64; layers.len()];
     let mut failed_early: Vec<Option<StreamError>> = (0..layers.len()).map(|_| None).collect();
@@ -422,8 +439,8 @@ pub struct StreamedTrunk {
     ring: Ring,
     stats: TrunkStats,
     pinned_load_seconds: f64,
-    /// Queue depth of the last pinned-prefix load ([`PINNED_LOAD_DEPTH`] unless io_uring or
-    /// the threads could not start).
+    /// Queue depth of the last pinned-prefix load (the trunk pool's depth, at least
+    /// [`PINNED_LOAD_DEPTH`]).
     pinned_load_depth: usize,
     reader_threads_spawned: usize,
     out_of_order: u64,
@@ -627,7 +644,7 @@ impl StreamedTrunk {
             huge_pages,
         };
         if opts.preload_pinned {
-            if opts.background_pinned && !t.pool.uses_io_uring() {
+            if opts.background_pinned {
                 t.start_background_load()?;
             } else {
                 t.load_pinned()?;
@@ -636,13 +653,20 @@ impl StreamedTrunk {
         Ok(t)
     }
 
-    /// Allocate every pinned buffer and start [`background_load`] on its own thread.
+    /// Start loading the pinned prefix on background threads (see [`PinLoad`]).
     fn start_background_load(&mut self) -> Result<(), StreamError> {
+        self.background = self.start_load(PINNED_BACKGROUND_PIECE)?;
+        Ok(())
+    }
+
+    /// Allocate every pinned buffer not loaded yet and start [`background_load`] on its own
+    /// thread, raw layers in `piece`-byte reads; false when nothing is left to load.
+    fn start_load(&mut self, piece: usize) -> Result<bool, StreamError> {
         let todo: Vec<usize> = (0..self.plan.pinned_layers)
             .filter(|&l| self.pinned[l].is_none() && self.loading[l].is_none())
             .collect();
         if todo.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let started = Instant::now();
         let mut layers = Vec::with_capacity(todo.len());
@@ -685,12 +709,21 @@ impl StreamedTrunk {
         let populate = std::env::var_os("K3_NO_PIN_POPULATE").is_none();
         let handle = std::thread::Builder::new()
             .name("k3-pin-load".to_string())
-            .spawn(move || background_load(pool, file, manifest, layers, c, tx, populate))
+            .spawn(move || {
+                let work = LoadWork {
+                    pool,
+                    file,
+                    manifest,
+                    layers,
+                    piece,
+                    populate,
+                };
+                background_load(work, c, tx)
+            })
             .map_err(|e| {
                 StreamError::Invalid(format!("cannot start the pinned-load thread: {e}"))
             })?;
         self.pinned_load_depth = depth;
-        self.background = true;
         self.bg = Some(PinLoad {
             done: rx,
             cancel,
@@ -700,7 +733,7 @@ impl StreamedTrunk {
             last: started,
             depth,
         });
-        Ok(())
+        Ok(true)
     }
 
     /// Take one report of the background load.
@@ -775,141 +808,31 @@ impl StreamedTrunk {
         Ok(())
     }
 
-    /// Load every pinned layer not loaded yet, in parallel pieces; returns the seconds taken.
+    /// Load every pinned layer not loaded yet, in parallel pieces (the background load's
+    /// machinery, waited for here); returns the seconds taken.
     pub fn load_pinned(&mut self) -> Result<f64, StreamError> {
-        let todo: Vec<usize> = (0..self.plan.pinned_layers)
-            .filter(|&l| self.pinned[l].is_none())
-            .collect();
-        if todo.is_empty() {
-            return Ok(0.0);
-        }
         let t0 = Instant::now();
-        let file = Arc::clone(&self.file);
-        let align = file.offset_align();
-        let mut bufs = Vec::with_capacity(todo.len());
-        let mut leads = Vec::with_capacity(todo.len());
-        for &l in &todo {
-            let pl = &self.manifest.layers[l];
-            let span = file.span(pl.offset, pl.size as usize);
-            let b = AlignedBuf::new(span.len).map_err(|e| {
-                StreamError::Invalid(format!(
-                    "cannot allocate the pinned buffer of layer {l} ({}): {e}",
-                    fmt_bytes(pl.size)
-                ))
-            })?;
-            self.huge_pages |= b.huge_pages();
-            bufs.push(b);
-            leads.push(span.lead);
-        }
-        let mut bytes = 0u64;
-        // (address, length) of every buffer, in read order, for the populate helper.
-        let populate: Option<Vec<(usize, usize)>> =
-            (std::env::var_os("K3_NO_PIN_POPULATE").is_none()).then(|| {
-                bufs.iter()
-                    .map(|b| (b.full().as_ptr() as usize, b.capacity()))
-                    .collect()
-            });
-        if let Some(c) = self.manifest.compression.clone() {
-            // Compressed: every chunk of every pinned layer, read and decoded in place at
-            // queue depth PINNED_LOAD_DEPTH, the buffers populated ahead as below.
-            let mut reads = Vec::with_capacity(todo.len());
-            for (&l, b) in todo.iter().zip(bufs.iter_mut()) {
-                let pl = &self.manifest.layers[l];
-                let Some(stored) = &pl.stored else {
-                    return Err(StreamError::Invalid(format!(
-                        "packed trunk layer {l} has no stored records"
-                    )));
-                };
-                reads.push(compress::LayerRead {
-                    layer: l,
-                    offset: pl.offset,
-                    size: pl.size,
-                    stored,
-                    dst: b.full_mut(),
-                });
-            }
-            leads.iter_mut().for_each(|x| *x = 0);
-            bytes = std::thread::scope(|sc| {
-                if populate.is_some() {
-                    let _ = std::thread::Builder::new()
-                        .name("k3-pin-populate".to_string())
-                        .spawn_scoped(sc, || {
-                            super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
-                        });
-                }
-                let wide = (self.pool.depth() < PINNED_LOAD_DEPTH)
-                    .then(|| ReadPool::new(PINNED_LOAD_DEPTH).ok())
-                    .flatten();
-                let pool = wide.as_ref().unwrap_or(&self.pool);
-                self.pinned_load_depth = pool.depth();
-                compress::read_layers(pool, &file, c.chunk_bytes, reads)
-            })?;
-        } else {
-            let mut reqs = Vec::new();
-            for ((&l, b), &lead) in todo.iter().zip(bufs.iter_mut()).zip(&leads) {
-                let pl = &self.manifest.layers[l];
-                let size = pl.size as usize;
-                if lead == 0 && READ_PIECE.is_multiple_of(align) {
-                    // Aligned start: read in pieces so the prefix loads at queue depth N.
-                    for (i, piece) in b.full_mut().chunks_mut(READ_PIECE).enumerate() {
-                        let start = i * READ_PIECE;
-                        if start >= size {
-                            break;
-                        }
-                        let len = (size - start).min(READ_PIECE);
-                        bytes += file.span(pl.offset + start as u64, len).len as u64;
-                        reqs.push(ReadReq {
-                            file: &file,
-                            offset: pl.offset + start as u64,
-                            len,
-                            buf: piece,
-                        });
-                    }
-                } else {
-                    bytes += file.span(pl.offset, size).len as u64;
-                    reqs.push(ReadReq {
-                        file: &file,
-                        offset: pl.offset,
-                        len: size,
-                        buf: b.full_mut(),
-                    });
+        let before = self.pinned_load_seconds;
+        self.start_load(READ_PIECE)?;
+        while let Some(bg) = &self.bg {
+            match bg.done.recv() {
+                Ok(d) => self.take_pin_done(d),
+                Err(_) => {
+                    self.bg = None;
+                    self.retired.clear();
+                    return Err(StreamError::Invalid(
+                        "the pinned-prefix load stopped before every layer was read (a reader \
+                         thread failed)"
+                            .to_string(),
+                    ));
                 }
             }
-            // Fresh anonymous pages are zeroed by the kernel when first touched; an O_DIRECT
-            // read faults its target pages in before the device is asked, so the readers
-            // would stall on zeroing. A helper populates the buffers ahead of the reads
-            // (MADV_POPULATE_WRITE: allocates and zeroes pages not yet present, never changes
-            // a page that is; a reader that overtakes it faults its own pages as before).
-            let results = std::thread::scope(|sc| {
-                if populate.is_some() {
-                    let _ = std::thread::Builder::new()
-                        .name("k3-pin-populate".to_string())
-                        .spawn_scoped(sc, || {
-                            super::aligned::populate_ahead(populate.as_deref().unwrap_or(&[]))
-                        });
-                }
-                // At queue depth PINNED_LOAD_DEPTH: a pool of that many reader threads for
-                // the load only (the trunk's own pool, for ring reads, stays smaller).
-                let wide = (!self.pool.uses_io_uring() && self.pool.depth() < PINNED_LOAD_DEPTH)
-                    .then(|| ReadPool::new(PINNED_LOAD_DEPTH).ok())
-                    .flatten();
-                let pool = wide.as_ref().unwrap_or(&self.pool);
-                self.pinned_load_depth = pool.depth();
-                pool.read_all(&mut reqs)
-            });
-            for r in results {
-                r?;
-            }
         }
-        for ((l, buf), lead) in todo.into_iter().zip(bufs).zip(leads) {
-            self.pinned[l] = Some(Loaded { buf, lead });
+        self.stats.wait_seconds += t0.elapsed().as_secs_f64();
+        if let Some(e) = self.pin_errors.iter_mut().find_map(Option::take) {
+            return Err(e);
         }
-        let secs = t0.elapsed().as_secs_f64();
-        self.pinned_load_seconds += secs;
-        self.stats.bytes_read += bytes;
-        self.stats.read_seconds += secs;
-        self.stats.wait_seconds += secs;
-        Ok(secs)
+        Ok(self.pinned_load_seconds - before)
     }
 
     /// The plan in use.

@@ -1,5 +1,7 @@
 //! `k3-run verify` and `k3-run budget` (SYSTEM.md §8), black box:
-//! - verify passes on fixture A and on a `k3-run synth` checkpoint; on copies of fixture A
+//! - verify passes on fixture A, on a `k3-run synth` checkpoint and on fixture A as one
+//!   `model.safetensors` without an index (that file truncated or extended is named); on
+//!   copies of fixture A
 //!   (under target/) a truncated shard, an extended shard, a missing shard and two shards
 //!   altered by opposite amounts (the total still right) each exit 1 naming exactly the
 //!   shards to fetch again; a `--sizes` file (object or Hugging Face tree listing) of the true
@@ -528,4 +530,32 @@ fn verify_index_total_size_is_only_a_note() {
             "model.safetensors.index.json".to_string()
         ]
     );
+}
+
+mod stream_support;
+
+/// A checkpoint stored as one `model.safetensors` (no index, as small upstream models ship):
+/// verify checks it from its header and size; a truncated or extended copy is named.
+#[test]
+fn verify_a_single_file_checkpoint() {
+    let dir = fresh_dir("verify_single");
+    let a = fixture_a();
+    let mut all = Vec::new();
+    for n in shards(&a) {
+        all.extend(stream_support::read_safetensors(&a.join(n)));
+    }
+    let file = dir.join("model.safetensors");
+    stream_support::write_safetensors(&file, &all);
+    std::fs::copy(a.join("config.json"), dir.join("config.json")).unwrap();
+    let out = assert_match(&verify(&dir, &[]));
+    let total = size(&file);
+    assert!(out.contains("shards : 1 (expect 1"), "{out}");
+    assert!(
+        out.contains(&format!("bytes  : {total} (expect {total}")),
+        "{out}"
+    );
+    alter(&file, -1);
+    assert_eq!(fetch_again(&verify(&dir, &[])), vec!["model.safetensors"]);
+    alter(&file, 2);
+    assert_eq!(fetch_again(&verify(&dir, &[])), vec!["model.safetensors"]);
 }

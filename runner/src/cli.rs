@@ -884,14 +884,20 @@ const MAX_THREADS: usize = 1024;
 /// resident; streamed experts are validated as they are read (real K3: 85 GB of scales).
 /// `files`: the checkpoint's files opened while the spec was read ([`load_spec_files`]), else
 /// they are opened here.
+/// With the arena resident mode the check waits for the arena, which holds the scales in RAM
+/// (`resident::load_resident` checks them there, or through the maps if the arena does not
+/// fit).
 fn open_checkpoint(
     model_dir: &Path,
     spec: &ModelSpec,
     settings: &crate::session::MemorySettings,
+    mem: &MemArgs,
     files: Option<Checkpoint>,
 ) -> Result<Checkpoint, Failure> {
+    let arena = resident_mode(mem)? == crate::resident::ResidentMode::Arena
+        && settings.io.trunk != crate::stream::io_policy::TrunkIo::Mmap;
     let opts = crate::checkpoint::OpenOptions {
-        validate_expert_scales: settings.cache_budget_bytes.is_none(),
+        validate_expert_scales: settings.cache_budget_bytes.is_none() && !arena,
     };
     match files {
         Some(f) => f.checked(spec, &opts),
@@ -1027,7 +1033,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             spec.vocab_size
         )));
     }
-    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
     let threads = run_threads(a)?;
     if a.save_state.is_some() && a.n_gen != 0 {
         return Err(Failure::usage(
@@ -1471,7 +1477,7 @@ fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
         .ok_or_else(|| Failure::usage("a model directory is required"))?;
     let (settings, notes) = memory_settings(a)?;
     let (spec, files) = run_spec_files(a, model_dir)?;
-    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
     let positions = a.max_context.unwrap_or(8192);
     // --serve-batch N: every request in the batch holds its own decode state.
     let sequences = match a.chat.serve {
@@ -1587,7 +1593,7 @@ fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
             )));
         }
     }
-    let ckpt = open_checkpoint(model_dir, &spec, &settings, files)?;
+    let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let positions = context_positions(
         a.max_context,

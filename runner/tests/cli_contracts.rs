@@ -400,3 +400,40 @@ fn a_closed_stdout_pipe_ends_the_process_quietly() {
         );
     }
 }
+
+/// A NaN (0xFF) E8M0 scale byte in a resident expert is refused naming the tensor in both
+/// resident modes: through the maps at open, and from RAM after the arena load (where the
+/// arena mode checks it), never used.
+#[test]
+fn a_nan_expert_scale_is_refused_in_both_resident_modes() {
+    let dir = fresh_dir("nan_scale_resident");
+    let a = fixture_a();
+    for e in std::fs::read_dir(&a).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let tensor = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale";
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let shard = dir.join(idx["weight_map"][tensor].as_str().expect("in the index"));
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let begin = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + begin + 5] = 0xFF;
+    std::fs::write(&shard, bytes).unwrap();
+    for mode in ["mmap", "arena"] {
+        let o = k3(&[s(&dir), "--ids", "1,2,3", "--gen", "1", "--resident", mode]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{mode}: a NaN scale must be refused");
+        assert!(
+            err.contains(tensor) && err.contains("0xFF"),
+            "{mode}: the message names the tensor: {err}"
+        );
+        assert!(
+            !String::from_utf8_lossy(&o.stdout).contains("generated ids"),
+            "{mode}: nothing generated"
+        );
+    }
+}

@@ -133,6 +133,8 @@ pub struct Checkpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
     table: Table,
+    /// Every routed-expert scale was checked at open ([`OpenOptions::validate_expert_scales`]).
+    scales_checked: bool,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -361,13 +363,12 @@ impl Checkpoint {
         spec: &ModelSpec,
         opts: &OpenOptions,
     ) -> Result<Checkpoint, CheckpointError> {
-        let ck = self;
+        let mut ck = self;
         ck.check_against_spec(spec)?;
         ck.check_a_log(spec)?;
         if opts.validate_expert_scales {
-            for decl in spec.tensors.iter().filter(|d| is_scale_role(d.role)) {
-                ck.check_scale_decl(decl)?;
-            }
+            ck.check_all_scales(spec)?;
+            ck.scales_checked = true;
         }
         Ok(ck)
     }
@@ -496,6 +497,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             table,
+            scales_checked: false,
         })
     }
 
@@ -627,6 +629,35 @@ impl Checkpoint {
 
     fn check_scale_decl(&self, decl: &TensorDecl) -> Result<(), CheckpointError> {
         check_e8m0(&self.path_of(&decl.name), &decl.name, self.bytes(decl))
+    }
+
+    /// Whether every routed-expert scale was checked at open.
+    pub fn scales_checked(&self) -> bool {
+        self.scales_checked
+    }
+
+    /// Check one routed-expert scale tensor held elsewhere (e.g. loaded into RAM), naming
+    /// the shard it came from.
+    pub fn check_scale_bytes(
+        &self,
+        decl: &TensorDecl,
+        bytes: &[u8],
+    ) -> Result<(), CheckpointError> {
+        check_e8m0(&self.path_of(&decl.name), &decl.name, bytes)
+    }
+
+    /// Check every routed-expert scale of `spec` through the mmap (what `validate_expert_scales`
+    /// does at open).
+    pub fn check_all_scales(&self, spec: &ModelSpec) -> Result<(), CheckpointError> {
+        for decl in spec.tensors.iter().filter(|d| is_scale_role(d.role)) {
+            self.check_scale_decl(decl)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `decl` is a routed-expert scale tensor.
+    pub fn is_scale(decl: &TensorDecl) -> bool {
+        is_scale_role(decl.role)
     }
 
     /// Check the three `weight_scale` tensors of one routed expert through the mmap.

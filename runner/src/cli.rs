@@ -1240,11 +1240,29 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
                 trunk.pinned_wait_seconds
             );
         } else {
+            // What start-up spent its time on, of the loads that apply to this run.
+            let mut incl = Vec::new();
+            if trunk.pinned_load_seconds > 0.0 {
+                incl.push(format!(
+                    "pinned prefix load {:.3} s",
+                    trunk.pinned_load_seconds
+                ));
+            }
+            if session.resident_load_seconds > 0.0 {
+                incl.push(format!(
+                    "resident load {:.3} s",
+                    session.resident_load_seconds
+                ));
+            }
             println!(
-                "time to first token {:.3} s (start-up {:.3} s incl. pinned prefix load {:.3} s, then prefill + first token {:.3} s)",
+                "time to first token {:.3} s (start-up {:.3} s{}, then prefill + first token {:.3} s)",
                 ttft,
                 ttft - res.first_token_seconds,
-                trunk.pinned_load_seconds,
+                if incl.is_empty() {
+                    String::new()
+                } else {
+                    format!(" incl. {}", incl.join(" and "))
+                },
                 res.first_token_seconds
             );
         }

@@ -696,3 +696,31 @@ fn index_values_and_duplicate_names() {
     assert_names(&err, &index, Some(Q0));
     fs::write(&index, &clean).unwrap();
 }
+
+/// Two NaN scale bytes: the open (whose check reads the scales on several threads) always
+/// names the one declared first, as a check in declaration order would.
+#[test]
+fn two_nan_scales_name_the_first_declared() {
+    let f = fixture();
+    let early = f.decl(TensorRole::ExpertW1Scale, Some(2), Some(1));
+    let late = f.decl(TensorRole::ExpertW3Scale, Some(5), Some(7));
+    let pos = |d: &TensorDecl| {
+        f.model
+            .tensors
+            .iter()
+            .position(|t| t.name == d.name)
+            .unwrap()
+    };
+    assert!(pos(&early) < pos(&late), "declaration order");
+    let places = [f.where_is(&late), f.where_is(&early)];
+    for (path, off, _) in places {
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[off as usize] = 0xFF;
+        fs::write(&path, bytes).unwrap();
+    }
+    for _ in 0..5 {
+        let err = f.open().unwrap_err();
+        assert!(matches!(err, CheckpointError::E8m0Nan { .. }), "{err:?}");
+        assert!(err.to_string().contains(&early.name), "{err}");
+    }
+}

@@ -175,15 +175,7 @@ fn missing_model_dir_is_a_clear_error() {
     let missing = tmp.path().join("no-such-model");
     let m = missing.to_str().unwrap();
     let out = tmp.path().join("r.json");
-    let o = k3(&[
-        m,
-        "--ids",
-        "1,2",
-        "--gen",
-        "1",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = run_two_ids(&missing, &["--out", out.to_str().unwrap()]);
     let err = stderr(&o);
     assert_ne!(code(&o), 0, "{err}");
     assert!(err.contains(m), "error names the directory:\n{err}");
@@ -224,20 +216,19 @@ fn config_edited(dir: &Path, parent: &str, key: &str, value: Option<Value>) -> P
     p
 }
 
+/// `k3-run MODEL --ids 1,2 --gen 1 EXTRA...`: the smallest run.
+fn run_two_ids(model: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![model.to_str().unwrap(), "--ids", "1,2", "--gen", "1"];
+    args.extend_from_slice(extra);
+    k3(&args)
+}
+
 /// Fixture A's shards run with `--config cfg`.
 fn run_a_with_config(cfg: &str, out: &Path) -> Output {
-    let a = fixture_a();
-    k3(&[
-        a.to_str().unwrap(),
-        "--config",
-        cfg,
-        "--ids",
-        "1,2",
-        "--gen",
-        "1",
-        "--out",
-        out.to_str().unwrap(),
-    ])
+    run_two_ids(
+        &fixture_a(),
+        &["--config", cfg, "--out", out.to_str().unwrap()],
+    )
 }
 
 #[test]
@@ -252,15 +243,7 @@ fn config_missing_a_needed_key_exits_2_naming_key_and_file() {
         let cfg_s = cfg.to_str().unwrap();
         let out = tmp.path().join("r.json");
         // model dir holding only the broken config.json: the config is read before any shard
-        let o = k3(&[
-            tmp.path().to_str().unwrap(),
-            "--ids",
-            "1,2",
-            "--gen",
-            "1",
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let o = run_two_ids(tmp.path(), &["--out", out.to_str().unwrap()]);
         expect_fail(&o, 2, &[key, cfg_s]);
         // the real shards with --config pointing at the broken file
         expect_fail(&run_a_with_config(cfg_s, &out), 2, &[key, cfg_s]);
@@ -300,17 +283,7 @@ fn an_inconsistent_packed_trunk_exits_2_naming_the_field() {
     let trunk = tmp.path().join("trunk");
     let o = k3(&["pack-trunk", a.to_str().unwrap(), trunk.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
-    let run = |t: &Path| {
-        k3(&[
-            a.to_str().unwrap(),
-            "--trunk",
-            t.to_str().unwrap(),
-            "--ids",
-            "1,2",
-            "--gen",
-            "1",
-        ])
-    };
+    let run = |t: &Path| run_two_ids(&a, &["--trunk", t.to_str().unwrap()]);
     let mut m = trunk_json(&trunk);
     let packed = m["packed_bytes"].as_u64().unwrap();
     m["packed_bytes"] = json!(packed + 4096);
@@ -532,15 +505,7 @@ fn prefill_chunk_changes_no_bit() {
         assert_eq!(d, dump, "{extra:?}: first-step logit bytes");
     }
     let a = fixture_a();
-    let o = k3(&[
-        a.to_str().unwrap(),
-        "--ids",
-        "1,2",
-        "--gen",
-        "1",
-        "--prefill-chunk",
-        "5",
-    ]);
+    let o = run_two_ids(&a, &["--prefill-chunk", "5"]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("for prompt chunks of 5"),

@@ -2,8 +2,20 @@
 
 mod stream_support;
 
+use std::path::PathBuf;
+
+use k3_models::spec::ModelSpec;
 use k3_run::stream::pack::{TRUNK_BIN, TRUNK_JSON, TrunkManifest, layer_trunk_decls, pack_trunk};
 use stream_support::*;
+
+/// A fresh test directory with the tiny synthetic model (seed 5) packed raw into `dir/NAME`.
+fn packed_tiny(test: &str, name: &str) -> (PathBuf, PathBuf, ModelSpec, PathBuf) {
+    let dir = test_dir(test);
+    let (model, spec) = synth_tiny(&dir, 5);
+    let out = dir.join(name);
+    pack_trunk(&model, &spec, &out, false).expect("pack");
+    (dir, model, spec, out)
+}
 
 #[test]
 fn pack_is_deterministic_aligned_and_byte_exact() {
@@ -115,10 +127,7 @@ fn a_hole_in_a_layer_range_is_refused_naming_layer_and_gap() {
 
 #[test]
 fn incomplete_or_mismatched_packs_are_refused_by_the_loader() {
-    let dir = test_dir("pack_incomplete");
-    let (model, spec) = synth_tiny(&dir, 5);
-    let out = dir.join("trunk");
-    pack_trunk(&model, &spec, &out, false).expect("pack");
+    let (dir, _, spec, out) = packed_tiny("pack_incomplete", "trunk");
     // A pack interrupted before the final rename has only partial names: not a trunk.
     let partial = dir.join("partial");
     std::fs::create_dir_all(&partial).expect("mkdir");
@@ -311,10 +320,7 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
 /// forever.
 #[test]
 fn a_trunk_bin_that_is_not_a_regular_file_is_said_to_be_that() {
-    let dir = test_dir("pack_bin_not_regular");
-    let (model, spec) = synth_tiny(&dir, 5);
-    let out = dir.join("trunk");
-    pack_trunk(&model, &spec, &out, false).expect("pack");
+    let (_, _, spec, out) = packed_tiny("pack_bin_not_regular", "trunk");
     let bin = out.join(TRUNK_BIN);
     std::fs::remove_file(&bin).expect("rm trunk.bin");
     std::fs::create_dir(&bin).expect("trunk.bin as a directory");
@@ -360,10 +366,7 @@ fn a_trunk_bin_that_is_not_a_regular_file_is_said_to_be_that() {
 #[test]
 fn trunk_json_summary_fields_are_checked() {
     use k3_run::stream::pack::pack_trunk_with;
-    let dir = test_dir("pack_summary_fields");
-    let (model, spec) = synth_tiny(&dir, 5);
-    let raw = dir.join("raw");
-    pack_trunk(&model, &spec, &raw, false).expect("pack");
+    let (dir, model, spec, raw) = packed_tiny("pack_summary_fields", "raw");
     let z = dir.join("z");
     pack_trunk_with(&model, &spec, &z, false, Some(8 << 10)).expect("compressed pack");
     let read = |d: &std::path::Path| -> TrunkManifest {

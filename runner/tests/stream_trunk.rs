@@ -32,6 +32,18 @@ struct Fixture {
     sizes: Vec<u64>,
 }
 
+impl Fixture {
+    /// The largest (4096-rounded) layer from layer `k` on: one ring slot for layers `k..`.
+    fn max_from(&self, k: usize) -> u64 {
+        self.sizes[k..].iter().copied().max().unwrap_or(0)
+    }
+
+    /// Bytes of the first `k` (4096-rounded) layers: a pinned prefix of `k` layers.
+    fn prefix(&self, k: usize) -> u64 {
+        self.sizes[..k].iter().sum()
+    }
+}
+
 fn fixture(name: &str) -> Fixture {
     let dir = test_dir(name);
     let (model, spec) = synth_tiny(&dir, 11);
@@ -98,8 +110,7 @@ fn two_slots_prefetch_with_one_reader_thread_at_several_budgets() {
     let f = fixture("trunk_budgets");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();
-    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
-    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
     let total = prefix(n);
     let cases = [
         ("0 pinned, 2 slots", 2 * max_from(0), 0usize),
@@ -250,8 +261,7 @@ fn background_pinned_load_serves_the_same_bytes() {
     let f = fixture("trunk_background");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();
-    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
-    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
     for (what, budget, ring) in [
         ("all pinned", prefix(n), 2),
         ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 2),
@@ -362,8 +372,7 @@ fn io_uring_pool_serves_the_same_bytes() {
     let f = fixture("trunk_uring");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();
-    let max_from = |k: usize| f.sizes[k..].iter().copied().max().unwrap_or(0);
-    let prefix = |k: usize| f.sizes[..k].iter().sum::<u64>();
+    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
     for ring in [1usize, 2] {
         let budget = prefix(3) + ring as u64 * max_from(3);
         let pool = ReadPool::with_io_uring(4).expect("pool");

@@ -260,21 +260,21 @@ fn verify_usage_errors_exit_2() {
     );
 
     let d = copy_a("verify_bad_index");
-    std::fs::write(
-        d.join("model.safetensors.index.json"),
-        b"{\"weight_map\": 3}",
-    )
-    .unwrap();
-    let o = verify(&d, &[]);
-    assert_eq!(code(&o), 2, "{}", stderr(&o));
-    std::fs::write(
-        d.join("model.safetensors.index.json"),
-        b"{\"weight_map\": {}}",
-    )
-    .unwrap();
-    let o = verify(&d, &[]);
-    assert_eq!(code(&o), 2, "an index naming nothing: {}", stdout(&o));
-    assert!(stderr(&o).contains("names no shard"), "{}", stderr(&o));
+    for (index, says) in [
+        (&b"{\"weight_map\": 3}"[..], "weight_map"),
+        (&b"{\"weight_map\": {}}"[..], "names no shard"),
+    ] {
+        std::fs::write(d.join("model.safetensors.index.json"), index).unwrap();
+        let o = verify(&d, &[]);
+        assert_eq!(
+            code(&o),
+            2,
+            "{}: {}",
+            String::from_utf8_lossy(index),
+            stdout(&o)
+        );
+        assert!(stderr(&o).contains(says), "{}", stderr(&o));
+    }
 
     let o = verify(&fixture_a(), &["--sizes", s(&empty.join("nope.json"))]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));

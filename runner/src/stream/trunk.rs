@@ -698,28 +698,20 @@ impl StreamedTrunk {
             self.loading[l] = Some(Loaded { buf: b, lead });
         }
         let depth = self.pool.depth().max(PINNED_LOAD_DEPTH);
-        let pool = ReadPool::new(depth)?;
+        let work = LoadWork {
+            pool: ReadPool::new(depth)?,
+            file: Arc::clone(&self.file),
+            manifest: Arc::clone(&self.manifest),
+            layers,
+            piece,
+            populate: std::env::var_os("K3_NO_PIN_POPULATE").is_none(),
+        };
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let (file, manifest, c) = (
-            Arc::clone(&self.file),
-            Arc::clone(&self.manifest),
-            Arc::clone(&cancel),
-        );
-        let populate = std::env::var_os("K3_NO_PIN_POPULATE").is_none();
+        let c = Arc::clone(&cancel);
         let handle = std::thread::Builder::new()
             .name("k3-pin-load".to_string())
-            .spawn(move || {
-                let work = LoadWork {
-                    pool,
-                    file,
-                    manifest,
-                    layers,
-                    piece,
-                    populate,
-                };
-                background_load(work, c, tx)
-            })
+            .spawn(move || background_load(work, c, tx))
             .map_err(|e| {
                 StreamError::Invalid(format!("cannot start the pinned-load thread: {e}"))
             })?;

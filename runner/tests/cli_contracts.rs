@@ -159,16 +159,19 @@ fn batch_dump_logits_holds_each_sequences_first_step_logits() {
     }
 }
 
+/// `k3-run FIXTURE_A --out out EXTRA...`.
+fn run_a(out: &Path, extra: &[&str]) -> Output {
+    let a = fixture_a();
+    let mut args = vec![s(&a), "--out", s(out)];
+    args.extend_from_slice(extra);
+    k3(&args)
+}
+
 #[test]
 fn max_context_below_the_request_is_a_usage_error() {
     let dir = fresh_dir("contracts_max_context");
-    let a = fixture_a();
     let out = dir.join("out.json");
-    let run = |extra: &[&str]| {
-        let mut args = vec![s(&a), "--out", s(&out)];
-        args.extend_from_slice(extra);
-        k3(&args)
-    };
+    let run = |extra: &[&str]| run_a(&out, extra);
     // 3 prompt ids + --gen 4 = 7 positions
     expect_fail(
         &run(&["--ids", "1,2,3", "--gen", "4", "--max-context", "6"]),
@@ -235,13 +238,12 @@ fn max_context_below_the_request_is_a_usage_error() {
 
 #[test]
 fn preset_ultra_without_trunk_names_what_it_does_not_apply() {
-    let dir = fresh_dir("contracts_ultra");
-    let a = fixture_a();
+    let (dir, a) = (fresh_dir("contracts_ultra"), fixture_a());
     let out = dir.join("out.json");
     let run = |extra: &[&str]| {
-        let mut args = vec![s(&a), "--ids", "11,22,33", "--gen", "3", "--out", s(&out)];
+        let mut args = vec!["--ids", "11,22,33", "--gen", "3"];
         args.extend_from_slice(extra);
-        let err = ok(&k3(&args));
+        let err = ok(&run_a(&out, &args));
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         (err, v["generated_ids"].clone())

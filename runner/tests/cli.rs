@@ -953,6 +953,8 @@ fn a_compressed_trunk_gives_the_reference_bits_through_the_cli() {
     ]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(stdout(&o).contains("stored compressed"), "{}", stdout(&o));
+    // the summary is the command's result, printed once (stdout), not also on stderr
+    assert!(!stderr(&o).contains("stored compressed"), "{}", stderr(&o));
     let m = trunk_json(&trunk);
     assert_eq!(m["version"], 2);
     let largest = *layer_slots(&m).iter().max().unwrap();

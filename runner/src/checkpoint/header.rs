@@ -26,7 +26,8 @@ pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeaderEntry {
     pub name: String,
-    pub dtype: String,
+    /// The dtype's static spelling (one of the safetensors 0.8 dtypes).
+    pub dtype: &'static str,
     pub shape: Vec<usize>,
     /// Offsets relative to the start of the data section.
     pub begin: u64,
@@ -151,28 +152,29 @@ pub fn parse_header_json(path: &Path, json: &[u8]) -> Result<Vec<HeaderEntry>, C
     let Some(raw) = raw else {
         return Err(json_err("top level is not a JSON object".into()));
     };
-    let mut seen = std::collections::HashSet::with_capacity(raw.len());
     let mut entries = Vec::with_capacity(raw.len());
     for (name, v) in raw {
-        if !seen.insert(name.clone()) {
-            return Err(CheckpointError::HeaderEntry {
-                file: path.to_path_buf(),
-                tensor: name,
-                msg: "appears twice in the header".to_string(),
-            });
-        }
-        entries.push(parse_entry(path, name, &v)?);
+        entries.push(parse_entry(path, name, v)?);
     }
+    let mut seen = hashbrown::HashSet::with_capacity(entries.len());
+    if let Some(e) = entries.iter().find(|e| !seen.insert(e.name.as_str())) {
+        return Err(CheckpointError::HeaderEntry {
+            file: path.to_path_buf(),
+            tensor: e.name.clone(),
+            msg: "appears twice in the header".to_string(),
+        });
+    }
+    drop(seen);
     entries.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
     Ok(entries)
 }
 
-/// The header's entries as (name, value) in file order, `__metadata__` skipped; `None` when
-/// the top level is not an object.
+/// The header's entries as (name, unparsed value) in file order, `__metadata__` skipped;
+/// `None` when the top level is not an object.
 struct EntriesVisitor;
 
 impl<'de> serde::de::Visitor<'de> for EntriesVisitor {
-    type Value = Option<Vec<(String, serde_json::Value)>>;
+    type Value = Option<Vec<(String, &'de serde_json::value::RawValue)>>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON object of tensor entries")
@@ -184,7 +186,7 @@ impl<'de> serde::de::Visitor<'de> for EntriesVisitor {
             if name == "__metadata__" {
                 map.next_value::<serde::de::IgnoredAny>()?;
             } else {
-                out.push((name, map.next_value::<serde_json::Value>()?));
+                out.push((name, map.next_value::<&'de serde_json::value::RawValue>()?));
             }
         }
         Ok(Some(out))
@@ -214,7 +216,43 @@ impl<'de> serde::de::Visitor<'de> for EntriesVisitor {
     }
 }
 
+/// A well-formed entry, parsed without building a JSON tree (the common case: the release's
+/// 500,000 entries). Anything else is parsed again as a tree by [`parse_entry_tree`], whose
+/// messages name what is wrong.
+#[derive(serde::Deserialize)]
+struct TypedEntry<'a> {
+    #[serde(borrow)]
+    dtype: &'a str,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
 fn parse_entry(
+    path: &Path,
+    name: String,
+    raw: &serde_json::value::RawValue,
+) -> Result<HeaderEntry, CheckpointError> {
+    if let Ok(t) = serde_json::from_str::<TypedEntry>(raw.get())
+        && let Some(dtype) = canonical_dtype(t.dtype)
+        && let Ok(shape) = t.shape.iter().map(|&d| usize::try_from(d)).collect()
+    {
+        return Ok(HeaderEntry {
+            name,
+            dtype,
+            shape,
+            begin: t.data_offsets.0,
+            end: t.data_offsets.1,
+        });
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(raw.get()).map_err(|e| CheckpointError::HeaderJson {
+            file: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+    parse_entry_tree(path, name, &v)
+}
+
+fn parse_entry_tree(
     path: &Path,
     name: String,
     v: &serde_json::Value,
@@ -227,14 +265,12 @@ fn parse_entry(
     let obj = v
         .as_object()
         .ok_or_else(|| bad(&name, "entry is not an object"))?;
-    let dtype = obj
+    let dtype_str = obj
         .get("dtype")
         .and_then(|d| d.as_str())
-        .ok_or_else(|| bad(&name, "missing or non-string \"dtype\""))?
-        .to_string();
-    if dtype_bits(&dtype).is_none() {
-        return Err(bad(&name, &format!("unknown dtype {dtype:?}")));
-    }
+        .ok_or_else(|| bad(&name, "missing or non-string \"dtype\""))?;
+    let dtype = canonical_dtype(dtype_str)
+        .ok_or_else(|| bad(&name, &format!("unknown dtype {dtype_str:?}")))?;
     let shape_v = obj
         .get("shape")
         .and_then(|s| s.as_array())
@@ -287,12 +323,12 @@ fn check_ranges(h: &ShardHeader) -> Result<(), CheckpointError> {
     let file = || h.path.clone();
     let data_len = h.file_len - h.data_start;
     for e in &h.entries {
-        let want = expected_bytes(&e.dtype, &e.shape);
+        let want = expected_bytes(e.dtype, &e.shape);
         if e.end < e.begin || want != Some(e.end - e.begin) {
             return Err(CheckpointError::DataSize {
                 file: file(),
                 tensor: e.name.clone(),
-                dtype: e.dtype.clone(),
+                dtype: e.dtype.to_string(),
                 shape: e.shape.clone(),
                 begin: e.begin,
                 end: e.end,

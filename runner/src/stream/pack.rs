@@ -585,8 +585,8 @@ fn remove_if_exists(p: &Path) -> Result<(), StreamError> {
     }
 }
 
-/// The `k3-run pack-trunk MODEL_DIR OUT_DIR` command body: pack with a progress bar and print
-/// the summary line to stderr.
+/// The `k3-run pack-trunk MODEL_DIR OUT_DIR` command body: pack with a progress bar (stderr);
+/// the caller prints the report's summary line (stdout).
 /// `compress`: `Some(chunk_bytes)` for a compressed pack.
 pub fn run(
     model_dir: &Path,
@@ -606,9 +606,7 @@ pub fn run(
             ""
         }
     );
-    let r = pack_trunk_with(model_dir, spec, out_dir, true, compress)?;
-    eprintln!("pack-trunk: {}", r.summary());
-    Ok(r)
+    pack_trunk_with(model_dir, spec, out_dir, true, compress)
 }
 
 impl TrunkManifest {

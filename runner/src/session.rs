@@ -357,7 +357,7 @@ pub fn check_states(
 }
 
 /// Refuse a packed trunk at `dir` whose layers were not packed from `ckpt` (each bound
-/// layer's `source_fingerprint` against [`Checkpoint::layer_fingerprint`]), naming the first
+/// layer's `source_fingerprint` against [`Checkpoint::layer_fingerprints`]), naming the first
 /// layer that differs and both fingerprints; a trunk.json without them (an older pack) is
 /// accepted with a start-up note.
 fn check_trunk_source(
@@ -367,6 +367,7 @@ fn check_trunk_source(
     startup: &mut Vec<String>,
 ) -> Result<(), StreamError> {
     let manifest = crate::stream::pack::TrunkManifest::load(dir, spec)?;
+    let mut here_all = None;
     for (l, pl) in manifest.layers.iter().enumerate().take(spec.n_layers) {
         let Some(packed) = &pl.source_fingerprint else {
             startup.push(format!(
@@ -377,7 +378,11 @@ fn check_trunk_source(
             ));
             return Ok(());
         };
-        let here = ckpt.layer_fingerprint(spec, l);
+        let here = here_all
+            .get_or_insert_with(|| ckpt.layer_fingerprints(spec))
+            .get(l)
+            .cloned()
+            .flatten();
         if here.as_deref() != Some(packed.as_str()) {
             return Err(StreamError::Config(format!(
                 "packed trunk {} was packed from other weights than {} (layer {l}: weights \

@@ -5,7 +5,9 @@ mod stream_support;
 use std::path::PathBuf;
 
 use k3_models::spec::ModelSpec;
-use k3_run::stream::pack::{TRUNK_BIN, TRUNK_JSON, TrunkManifest, layer_trunk_decls, pack_trunk};
+use k3_run::stream::pack::{
+    TRUNK_BIN, TRUNK_JSON, TrunkManifest, pack_trunk, trunk_decls_by_layer,
+};
 use stream_support::*;
 
 /// A fresh test directory with the tiny synthetic model (seed 5) packed raw into `dir/NAME`.
@@ -56,7 +58,7 @@ fn pack_is_deterministic_aligned_and_byte_exact() {
     let mut sum = 0u64;
     for pl in &m.layers {
         assert_eq!(pl.offset % 4096, 0, "layer {}", pl.layer);
-        let decls = layer_trunk_decls(&spec, pl.layer);
+        let decls = &trunk_decls_by_layer(&spec)[pl.layer];
         assert_eq!(decls.len(), pl.tensors.len());
         for t in &pl.tensors {
             let got =
@@ -87,7 +89,7 @@ fn a_hole_in_a_layer_range_is_refused_naming_layer_and_gap() {
     let (model, spec) = synth_tiny(&dir, 3);
     let layer = 5usize;
     // Move one routed expert tensor of layer 5 between two of its trunk tensors.
-    let trunk = layer_trunk_decls(&spec, layer);
+    let trunk = trunk_decls_by_layer(&spec).swap_remove(layer);
     let first_trunk = &trunk[0].name;
     let shard = shard_of(&model, first_trunk);
     let mut tensors = read_safetensors(&shard);

@@ -304,6 +304,17 @@ fn every_shipped_synth_spec_builds_a_valid_model_and_k3_mini_has_the_stated_size
         let (_, model) = synth::config_and_spec(&s, None).unwrap_or_else(|e| panic!("{e}"));
         let sizes = synth::sizes(&model);
         seen.push(s.name.clone());
+        if s.name == "k3-counts" {
+            // the release's counts: 93 layers, 896 routed experts top-16 on the 92 MoE layers,
+            // each expert 3 packed + 3 scale tensors
+            let moe = model.moe.as_ref().expect("k3-counts has routed experts");
+            assert_eq!(
+                (model.n_layers, moe.n_experts, moe.n_experts_active),
+                (93, 896, 16)
+            );
+            let routed = model.tensors.iter().filter(|t| t.expert.is_some()).count();
+            assert_eq!(routed, 92 * 896 * 6);
+        }
         if s.name.starts_with("k3-mini") {
             assert_eq!(model.n_layers, 93);
             let gb = |b: u64| b as f64 / 1e9;
@@ -320,5 +331,8 @@ fn every_shipped_synth_spec_builds_a_valid_model_and_k3_mini_has_the_stated_size
         }
     }
     seen.sort();
-    assert_eq!(seen, ["k3-mini", "k3-mini-flat", "odd9", "tiny"]);
+    assert_eq!(
+        seen,
+        ["k3-counts", "k3-mini", "k3-mini-flat", "odd9", "tiny"]
+    );
 }

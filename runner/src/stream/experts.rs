@@ -18,7 +18,6 @@
 //! reported apart from raw hits).
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
@@ -211,7 +210,8 @@ impl<'c> ExpertStore<'c> {
             partial.entry((layer, expert)).or_default()[slot] = Some(idx);
         }
         let mut files: Vec<DirectFile> = Vec::new();
-        let mut file_idx: HashMap<PathBuf, u16> = HashMap::new();
+        // shard index -> file number, files opened in first-use order
+        let mut file_idx: Vec<Option<u16>> = vec![None; ckpt.shards().len()];
         let mut entries = HashMap::with_capacity(partial.len());
         // Deterministic file numbering: walk experts in key order.
         let mut keys: Vec<ExpertKey> = partial.keys().copied().collect();
@@ -235,23 +235,29 @@ impl<'c> ExpertStore<'c> {
                     ))
                 })?;
                 let d = &spec.tensors[di as usize];
-                let l = ckpt.locate(&d.name).map_err(StreamError::Invalid)?;
-                let f = match file_idx.get(&l.shard_path) {
-                    Some(&f) => f,
+                let (shard, offset, len) = ckpt.shard_span(&d.name).ok_or_else(|| {
+                    StreamError::Invalid(format!(
+                        "tensor {} is not in the checkpoint {}",
+                        d.name,
+                        ckpt.dir().display()
+                    ))
+                })?;
+                let f = match file_idx[shard] {
+                    Some(f) => f,
                     None => {
                         let f = u16::try_from(files.len()).map_err(|_| {
                             StreamError::Invalid("more than 65536 shard files".to_string())
                         })?;
-                        files.push(DirectFile::open(&l.shard_path, o_direct)?);
-                        file_idx.insert(l.shard_path.clone(), f);
+                        files.push(DirectFile::open(&ckpt.shards()[shard].path, o_direct)?);
+                        file_idx[shard] = Some(f);
                         f
                     }
                 };
                 decl[k] = di;
                 loc[k] = TensorLoc {
                     file: f,
-                    offset: l.file_offset,
-                    len: l.n_bytes,
+                    offset,
+                    len,
                 };
             }
             entries.insert(key, ExpertEntry { decl, loc });

@@ -29,7 +29,7 @@ use k3_models::spec::{ModelSpec, TensorDecl};
 use super::aligned::{AlignedBuf, EndsRing};
 use super::compress;
 use super::direct::{DirectFile, ReadPool};
-use super::pack::{TRUNK_BIN, TrunkManifest, layer_trunk_decls};
+use super::pack::{TRUNK_BIN, TrunkManifest, trunk_decls_by_layer};
 use super::plan::{TrunkPlan, plan_trunk};
 use super::{StreamError, fmt_bytes};
 use crate::weights::{LayerWeights, TensorBytes, TrunkSource, TrunkStats, WeightError};
@@ -460,9 +460,10 @@ impl std::fmt::Debug for StreamedTrunk {
 }
 
 fn layer_decls(spec: &ModelSpec, m: &TrunkManifest) -> Vec<Vec<(TensorDecl, usize)>> {
+    let by_layer = trunk_decls_by_layer(spec);
     (0..m.n_layers)
         .map(|l| {
-            let decls = layer_trunk_decls(spec, l);
+            let decls = by_layer.get(l).map_or(&[][..], Vec::as_slice);
             m.layers[l]
                 .tensors
                 .iter()

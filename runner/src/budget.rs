@@ -16,7 +16,7 @@
 //! released K3's floor before downloading it.
 //! Must not: read tensor data, decide presets (that is `doctor` / `--preset`).
 
-use std::collections::{HashMap, HashSet};
+use hashbrown::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use clap::Args;

@@ -475,18 +475,6 @@ impl Checkpoint {
                 cross_check_index(&header, &index_path, map, file_name, names)?;
             }
             let shard_idx = shards.len();
-            for e in header.entries.iter() {
-                table.push(
-                    e.name.clone(),
-                    Entry {
-                        shard: shard_idx,
-                        dtype: e.dtype,
-                        shape: e.shape.clone().into_boxed_slice(),
-                        begin: e.begin,
-                        end: e.end,
-                    },
-                );
-            }
             let mmap = map_shard(&header)?;
             shards.push(Shard {
                 path,
@@ -494,6 +482,18 @@ impl Checkpoint {
                 data_start: header.data_start,
                 mmap,
             });
+            for e in header.entries {
+                table.push(
+                    e.name,
+                    Entry {
+                        shard: shard_idx,
+                        dtype: e.dtype,
+                        shape: e.shape.into_boxed_slice(),
+                        begin: e.begin,
+                        end: e.end,
+                    },
+                );
+            }
         }
         if let Some(dup) = table.finish() {
             // Only reachable with an index whose cross-check passed for two shards holding

@@ -246,12 +246,14 @@ pub fn plan_trunk(
         }
     }
     // One slot fits iff budget >= the largest layer (any prefix either pins it or streams it).
-    let (largest_layer, need) = sizes
+    // The layer named is the one `pack-trunk` names: the largest in bytes, the first of equals
+    // (several can round up to the same slot).
+    let (largest_layer, need) = layer_bytes
         .iter()
         .copied()
         .enumerate()
         .max_by_key(|&(i, s)| (s, std::cmp::Reverse(i)))
-        .unwrap_or((0, 0));
+        .map_or((0, 0), |(i, s)| (i, align_up(s, a)));
     Err(PlanError::CannotFitOneSlot {
         budget,
         need,
@@ -662,6 +664,12 @@ mod tests {
             Err(PlanError::ZeroRing(0))
         ));
         assert!(matches!(plan_trunk(&[], K, 1), Err(PlanError::EmptyTrunk)));
+        // layers 0 and 1 round up to the same slot: the one named is the larger in bytes
+        // (what `pack-trunk` names), and the slot is the rounded size
+        let err = plan_trunk(&[K - 100, K - 10, 200], 100, 1).expect_err("too small");
+        let msg = err.to_string();
+        assert!(msg.contains("layer 1"), "{msg}");
+        assert!(msg.contains(&K.to_string()), "{msg}");
     }
 
     #[test]

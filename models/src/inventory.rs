@@ -15,8 +15,8 @@
 //! and `weight_scale [out, in/group]` of the logical `w1/w3 [ff, d_in]`, `w2 [d_in, ff]`.
 
 use crate::spec::{
-    AttnKind, DType, ExpertFormat, FfnKind, KdaSpec, MlaSpec, ModelSpec, MoeSpec, TensorDecl,
-    TensorRole,
+    AttnKind, DType, ExpertFormat, FfnKind, KdaSpec, MlaSpec, ModelSpec, MoeSpec, Shape,
+    TensorDecl, TensorRole,
 };
 
 /// How the stored `A_log` is shaped (manifest `kda.a_log_shape`).
@@ -313,18 +313,20 @@ impl Compiled {
         }
     }
 
-    fn expand(&self, layer: Option<usize>, expert: Option<usize>) -> String {
+    /// The name for `layer` / `expert`, built in `buf` (reused across calls) and returned at
+    /// its exact length: one allocation per name, no spare capacity (the release has 497,056).
+    fn expand(&self, buf: &mut String, layer: Option<usize>, expert: Option<usize>) -> String {
         use std::fmt::Write;
-        let mut s = String::with_capacity(96);
+        buf.clear();
         for p in &self.parts {
             // Writing to a String cannot fail.
             let _ = match p {
-                Part::Lit(x) => s.write_str(x),
-                Part::Layer => write!(s, "{}", layer.unwrap_or(0)),
-                Part::Expert => write!(s, "{}", expert.unwrap_or(0)),
+                Part::Lit(x) => buf.write_str(x),
+                Part::Layer => write!(buf, "{}", layer.unwrap_or(0)),
+                Part::Expert => write!(buf, "{}", expert.unwrap_or(0)),
             };
         }
-        s
+        buf.as_str().to_owned()
     }
 }
 
@@ -339,26 +341,46 @@ pub fn build(
     let compiled: Vec<Option<Compiled>> =
         t.0.iter().map(|x| x.as_ref().map(Compiled::new)).collect();
     // (template, shape) of a role; shapes do not depend on the layer or expert.
-    let role_info = |role: TensorRole| -> Result<(&Compiled, Vec<usize>), String> {
+    let role_info = |role: TensorRole| -> Result<(&Compiled, Shape), String> {
         let c = compiled
             .get(role as usize)
             .and_then(Option::as_ref)
             .ok_or_else(|| format!("no name template for role `{}`", role.key()))?;
         let shape = shape(spec, role, a_log)
             .ok_or_else(|| format!("no shape for role `{}`", role.key()))?;
-        Ok((c, shape))
+        Ok((c, Shape::from_vec(shape)))
     };
-    let decl = |info: &(&Compiled, Vec<usize>), role, layer, expert| TensorDecl {
-        name: info.0.expand(layer, expert),
+    let mut buf = String::with_capacity(128);
+    let mut decl = |info: &(&Compiled, Shape), role, layer, expert| TensorDecl {
+        name: info.0.expand(&mut buf, layer, expert),
         role,
         layer,
         expert,
         dtype: info.0.dtype,
         shape: info.1.clone(),
     };
-    let mut out = Vec::new();
     let mut global = BlockRoles::global(spec.attn_res.is_some());
     global.sort();
+    // The exact count first, so the list is allocated once at its final size (growing it by
+    // doubling held up to 1.5x the final list, and two copies during a move, at the release's
+    // 497,056 declarations).
+    let expert_roles = spec
+        .moe
+        .as_ref()
+        .map(|m| BlockRoles::expert(m.expert_format));
+    let count = global.len()
+        + (0..spec.n_layers)
+            .map(|l| {
+                let experts = match (&spec.moe, &expert_roles) {
+                    (Some(m), Some(r)) if spec.layers[l].ffn == FfnKind::Moe => {
+                        m.n_experts * r.len()
+                    }
+                    _ => 0,
+                };
+                layer_roles(spec, l).len() + experts
+            })
+            .sum::<usize>();
+    let mut out = Vec::with_capacity(count);
     for role in global {
         out.push(decl(&role_info(role)?, role, None, None));
     }
@@ -373,7 +395,6 @@ pub fn build(
                 .into_iter()
                 .map(|r| role_info(r).map(|i| (r, i)))
                 .collect::<Result<Vec<_>, String>>()?;
-            out.reserve(m.n_experts * roles.len());
             for e in 0..m.n_experts {
                 for (role, info) in &roles {
                     out.push(decl(info, *role, Some(l), Some(e)));

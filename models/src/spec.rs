@@ -391,6 +391,11 @@ impl TensorRole {
     }
 }
 
+/// A tensor's dimensions, stored inline up to two dimensions (a heap `Vec` for three or
+/// more: a handful per layer). Derefs to `[usize]`; prints and serialises like a `Vec<usize>`.
+/// The release declares 497,056 tensors, almost all 2-D: one heap allocation each as a `Vec`.
+pub type Shape = smallvec::SmallVec<[usize; 2]>;
+
 /// One tensor the model needs, with its exact checkpoint name, dtype and shape.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct TensorDecl {
@@ -399,7 +404,7 @@ pub struct TensorDecl {
     pub layer: Option<usize>,
     pub expert: Option<usize>,
     pub dtype: DType,
-    pub shape: Vec<usize>,
+    pub shape: Shape,
 }
 
 impl TensorDecl {
@@ -821,7 +826,7 @@ mod tests {
             layer: Some(1),
             expert: Some(0),
             dtype,
-            shape,
+            shape: shape.into(),
         };
         // 64 x 64 logical weight: 64 x 32 packed bytes and 64 x 2 scale bytes.
         assert_eq!(

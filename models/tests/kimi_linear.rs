@@ -42,30 +42,36 @@ fn kimi_linear_48b_loads() {
 
     let t = |r, l, e| spec.tensor(r, l, e).expect("declared");
     assert_eq!(
-        t(TensorRole::KdaALog, Some(0), None).shape,
+        t(TensorRole::KdaALog, Some(0), None).shape.to_vec(),
         vec![1, 1, 32, 1]
     );
     assert_eq!(
-        t(TensorRole::KdaGateA, Some(0), None).shape,
+        t(TensorRole::KdaGateA, Some(0), None).shape.to_vec(),
         vec![128, 2304]
     );
     assert_eq!(
-        t(TensorRole::KdaGateB, Some(0), None).shape,
+        t(TensorRole::KdaGateB, Some(0), None).shape.to_vec(),
         vec![4096, 128]
     );
-    assert_eq!(t(TensorRole::KdaDtBias, Some(0), None).shape, vec![4096]);
     assert_eq!(
-        t(TensorRole::MlaQ, Some(3), None).shape,
+        t(TensorRole::KdaDtBias, Some(0), None).shape.to_vec(),
+        vec![4096]
+    );
+    assert_eq!(
+        t(TensorRole::MlaQ, Some(3), None).shape.to_vec(),
         vec![32 * 192, 2304]
     );
-    assert_eq!(t(TensorRole::MlaKvA, Some(3), None).shape, vec![576, 2304]);
     assert_eq!(
-        t(TensorRole::SharedGate, Some(1), None).shape,
+        t(TensorRole::MlaKvA, Some(3), None).shape.to_vec(),
+        vec![576, 2304]
+    );
+    assert_eq!(
+        t(TensorRole::SharedGate, Some(1), None).shape.to_vec(),
         vec![1024, 2304]
     );
     let w2 = t(TensorRole::ExpertW2, Some(26), Some(255));
     assert_eq!(
-        (w2.dtype, w2.shape.clone()),
+        (w2.dtype, w2.shape.to_vec()),
         (DType::BF16, vec![2304, 1024])
     );
     assert_eq!(

@@ -122,7 +122,7 @@ fn shapes_match_the_released_headers() {
     let spec = common::load("kimi-k3", "kimi-k3-config.json");
     let shape = |r, l, e| {
         let t = spec.tensor(r, l, e).expect("tensor declared");
-        (t.dtype, t.shape.clone(), t.name.clone())
+        (t.dtype, t.shape.to_vec(), t.name.clone())
     };
     use DType::*;
     use TensorRole::*;

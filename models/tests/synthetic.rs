@@ -33,7 +33,7 @@ fn preset_c_inventory_equals_the_oracle_headers() {
     let a_log = spec
         .tensor(TensorRole::KdaALog, Some(0), None)
         .expect("A_log");
-    assert_eq!(a_log.shape, vec![16]);
+    assert_eq!(a_log.shape.to_vec(), vec![16]);
     let diff = common::diff_inventory(&spec, &common::read_tsv("synth-C/tensors.tsv"));
     assert!(diff.is_empty(), "{diff:#?}");
 }

@@ -171,7 +171,7 @@ fn check_shard(
     dir: &Path,
     name: &str,
     index_names: Option<&[&str]>,
-    index: Option<&BTreeMap<String, String>>,
+    index: Option<&checkpoint::IndexMap>,
 ) -> (FileCheck, Option<u64>) {
     let path = dir.join(name);
     let mut c = FileCheck {
@@ -223,12 +223,12 @@ fn check_shard(
         let foreign: Vec<&str> = header
             .entries
             .iter()
-            .filter(|e| map.get(&e.name).map(String::as_str) != Some(name))
+            .filter(|e| map.file(&e.name) != Some(name))
             .map(|e| e.name.as_str())
             .collect();
         c.index_disagrees = !foreign.is_empty();
         if let Some(first) = foreign.first() {
-            let where_ = map.get(*first).map_or_else(
+            let where_ = map.file(first).map_or_else(
                 || "not in the index".to_string(),
                 |f| format!("the index says {f}"),
             );
@@ -300,15 +300,19 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     match &index {
         Some(map) => {
-            for (t, f) in map {
-                by_file.entry(f.as_str()).or_default().push(t.as_str());
+            for (t, f) in map.iter() {
+                by_file.entry(f).or_default().push(t);
+            }
+            // each shard's tensors by name, as a sorted map gave them
+            for names in by_file.values_mut() {
+                names.sort_unstable();
             }
         }
         None => {
             by_file.insert(SINGLE_FILE, Vec::new());
         }
     }
-    let n_tensors = index.as_ref().map_or(0, BTreeMap::len);
+    let n_tensors = index.as_ref().map_or(0, checkpoint::IndexMap::len);
     let n_shards = by_file.len();
     if n_shards == 0 {
         return Err(Failure::usage(format!(

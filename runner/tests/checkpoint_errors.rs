@@ -429,7 +429,7 @@ fn no_checkpoint_at_all() {
 fn single_file_without_index_from_the_upstream_writer() {
     let f = fixture();
     let ck = f.open().unwrap();
-    let names: Vec<String> = ck.tensor_names().to_vec();
+    let names: Vec<String> = ck.tensor_names().map(str::to_string).collect();
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
         .iter()
         .map(|n| {
@@ -483,7 +483,7 @@ fn unaligned_tensors_are_copied_correctly() {
         layer: None,
         expert: None,
         dtype,
-        shape,
+        shape: shape.into(),
     };
     let b = decl("b", DType::BF16, vec![2]);
     let c = decl("c", DType::F32, vec![1]);

@@ -71,11 +71,7 @@ fn tiny_loads_through_the_strict_reader_with_release_layout() {
         Some(ck.total_tensor_bytes())
     );
     assert_eq!(ck.tensor_names().len(), model.tensors.len() + 4);
-    assert!(
-        ck.tensor_names()
-            .iter()
-            .any(|n| n.starts_with("vision_tower."))
-    );
+    assert!(ck.tensor_names().any(|n| n.starts_with("vision_tower.")));
     // Released names.
     assert!(
         ck.info("language_model.model.embed_tokens.weight")

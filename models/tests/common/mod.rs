@@ -95,7 +95,7 @@ pub fn diff_inventory(spec: &ModelSpec, ckpt: &Inventory) -> Vec<String> {
         match ckpt.get(&t.name) {
             None => d.push(format!("missing in checkpoint: {}", t.name)),
             Some((dt, sh)) => {
-                if dt != t.dtype.as_str() || sh != &t.shape {
+                if dt != t.dtype.as_str() || **sh != *t.shape {
                     d.push(format!(
                         "{}: spec {} {:?}, checkpoint {dt} {sh:?}",
                         t.name,

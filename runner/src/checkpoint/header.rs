@@ -76,6 +76,19 @@ pub fn dtype_bits(dtype: &str) -> Option<u64> {
     DTYPES.iter().find(|(n, _)| *n == dtype).map(|&(_, b)| b)
 }
 
+/// A known dtype's index in the safetensors dtype list (a one-byte per-tensor record).
+pub(crate) fn dtype_id(dtype: &str) -> Option<u8> {
+    DTYPES
+        .iter()
+        .position(|(n, _)| *n == dtype)
+        .and_then(|i| u8::try_from(i).ok())
+}
+
+/// The dtype of index `id` ([`dtype_id`]); an unknown index reads as `"?"`.
+pub(crate) fn dtype_name(id: u8) -> &'static str {
+    DTYPES.get(usize::from(id)).map_or("?", |&(n, _)| n)
+}
+
 /// The static spelling of a known dtype (so per-tensor records need no allocation).
 pub fn canonical_dtype(dtype: &str) -> Option<&'static str> {
     DTYPES.iter().find(|(n, _)| *n == dtype).map(|&(n, _)| n)

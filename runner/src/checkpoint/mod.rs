@@ -39,7 +39,7 @@ use std::fs::File;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 
-use k3_models::spec::{DType, ModelSpec, TensorDecl, TensorRole};
+use k3_models::spec::{DType, ModelSpec, Shape, TensorDecl, TensorRole};
 use memmap2::Mmap;
 
 pub use error::CheckpointError;
@@ -90,59 +90,160 @@ impl Default for OpenOptions {
 
 #[derive(Clone, Debug)]
 struct Entry {
-    shard: usize,
-    dtype: &'static str,
-    shape: Box<[usize]>,
     /// Relative to the shard's data section.
     begin: u64,
     end: u64,
+    shape: Shape,
+    shard: u32,
+    /// Index into the safetensors dtypes ([`header::dtype_name`]).
+    dtype: u8,
 }
 
-/// Every tensor of the checkpoint: names in file order, entries parallel to them, and a hash
-/// table of indices for lookups. Each name is stored once (K3 has 497,220 tensors; a
-/// name-sorted binary search spent 1.3 s of a start-up in `memcmp` at that count: the names
-/// share long prefixes).
-#[derive(Debug, Default)]
-struct Table {
-    names: Vec<String>,
-    entries: Vec<Entry>,
+impl Entry {
+    fn shard(&self) -> usize {
+        self.shard as usize
+    }
+    fn dtype(&self) -> &'static str {
+        header::dtype_name(self.dtype)
+    }
+}
+
+/// Tensor names in one text (name `i` is `text[starts[i]..starts[i + 1]]`: no allocation
+/// per name) with a hash table of positions for lookups. K3 has 497,220 tensors: a `String`
+/// per name cost ~100 bytes each; a name-sorted binary search spent 1.3 s of a start-up in
+/// `memcmp` at that count (the names share long prefixes).
+#[derive(Debug)]
+struct Names {
+    text: String,
+    starts: Vec<usize>,
     lookup: hashbrown::HashTable<u32>,
     hasher: hashbrown::DefaultHashBuilder,
 }
 
-impl Table {
-    fn push(&mut self, name: String, e: Entry) {
-        self.names.push(name);
-        self.entries.push(e);
-    }
-    /// Build the lookup table; returns a duplicated name if there is one.
-    fn finish(&mut self) -> Option<&str> {
-        let n = u32::try_from(self.names.len()).expect("invariant: fewer than 2^32 tensors");
-        let (names, hasher) = (&self.names, &self.hasher);
-        let hash = |i: u32| hasher.hash_one(names[i as usize].as_str());
-        let mut lookup = hashbrown::HashTable::with_capacity(names.len());
-        let mut dup = None;
-        for i in 0..n {
-            let name = names[i as usize].as_str();
-            match lookup.entry(hash(i), |&j: &u32| names[j as usize] == name, |&j| hash(j)) {
-                hashbrown::hash_table::Entry::Occupied(_) => {
-                    dup = Some(i as usize);
-                    break;
-                }
-                hashbrown::hash_table::Entry::Vacant(v) => {
-                    v.insert(i);
-                }
-            }
+impl Default for Names {
+    fn default() -> Self {
+        Names {
+            text: String::new(),
+            starts: vec![0],
+            lookup: hashbrown::HashTable::new(),
+            hasher: hashbrown::DefaultHashBuilder::default(),
         }
-        self.lookup = lookup;
-        dup.map(|i| self.names[i].as_str())
-    }
-    fn get(&self, name: &str) -> Option<&Entry> {
-        let h = self.hasher.hash_one(name);
-        let &i = self.lookup.find(h, |&j| self.names[j as usize] == name)?;
-        Some(&self.entries[i as usize])
     }
 }
+
+impl Names {
+    fn name(&self, i: usize) -> &str {
+        &self.text[self.starts[i]..self.starts[i + 1]]
+    }
+    fn find(&self, name: &str) -> Option<u32> {
+        let h = self.hasher.hash_one(name);
+        self.lookup
+            .find(h, |&j| self.name(j as usize) == name)
+            .copied()
+    }
+    /// The position of `name`, added if new; `true` when it was already there.
+    fn intern(&mut self, name: &str) -> (u32, bool) {
+        let h = self.hasher.hash_one(name);
+        let (text, starts, hasher) = (&self.text, &self.starts, &self.hasher);
+        let name_of = |j: u32| &text[starts[j as usize]..starts[j as usize + 1]];
+        match self
+            .lookup
+            .entry(h, |&j| name_of(j) == name, |&j| hasher.hash_one(name_of(j)))
+        {
+            hashbrown::hash_table::Entry::Occupied(o) => (*o.get(), true),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let i = u32::try_from(starts.len() - 1).expect("invariant: fewer than 2^32 names");
+                v.insert(i);
+                self.text.push_str(name);
+                self.starts.push(self.text.len());
+                (i, false)
+            }
+        }
+    }
+}
+
+/// No entry ([`Table::entry_of`]).
+const NO_ENTRY: u32 = u32::MAX;
+
+/// Every tensor of the checkpoint: entries in file order (shard by shard, by offset), each
+/// with its name's position in `names`. With an index, `names` are the index's own (the
+/// index names every tensor; a name it maps to a shard not opened has no entry), so the
+/// ~500,000 names of the release are held once and looked up through the index's table.
+#[derive(Debug, Default)]
+struct Table {
+    names: Names,
+    /// Position in `names` of each entry's name.
+    name_of: Vec<u32>,
+    /// Entry of each name in `names` ([`NO_ENTRY`] for none).
+    entry_of: Vec<u32>,
+    entries: Vec<Entry>,
+    /// The first name found in two entries (kept as an error, see `open_files`).
+    dup: Option<u32>,
+}
+
+impl Table {
+    /// Add an entry named `name`, at position `pos` in `names` if known (else interned).
+    fn push(&mut self, name: &str, pos: Option<u32>, e: Entry) {
+        let pos = pos.unwrap_or_else(|| self.names.intern(name).0);
+        let i = u32::try_from(self.entries.len()).expect("invariant: fewer than 2^32 tensors");
+        if self.entry_of.len() <= pos as usize {
+            self.entry_of.resize(pos as usize + 1, NO_ENTRY);
+        }
+        let slot = &mut self.entry_of[pos as usize];
+        if *slot == NO_ENTRY {
+            *slot = i;
+        } else {
+            self.dup.get_or_insert(pos);
+        }
+        self.name_of.push(pos);
+        self.entries.push(e);
+    }
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+    fn name(&self, i: usize) -> &str {
+        self.names.name(self.name_of[i] as usize)
+    }
+    fn names(&self) -> TensorNames<'_> {
+        TensorNames {
+            table: self,
+            next: 0,
+        }
+    }
+    /// A name given to two entries, if any.
+    fn duplicate(&self) -> Option<&str> {
+        self.dup.map(|p| self.names.name(p as usize))
+    }
+    fn get(&self, name: &str) -> Option<&Entry> {
+        let pos = self.names.find(name)?;
+        let &i = self.entry_of.get(pos as usize)?;
+        self.entries.get(i as usize)
+    }
+}
+
+/// The checkpoint's tensor names in file order ([`Checkpoint::tensor_names`]).
+#[derive(Clone, Debug)]
+pub struct TensorNames<'a> {
+    table: &'a Table,
+    next: usize,
+}
+
+impl<'a> Iterator for TensorNames<'a> {
+    type Item = &'a str;
+    fn next(&mut self) -> Option<&'a str> {
+        let i = self.next;
+        (i < self.table.len()).then(|| {
+            self.next += 1;
+            self.table.name(i)
+        })
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.table.len() - self.next;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for TensorNames<'_> {}
 
 /// An opened, validated checkpoint.
 pub struct Checkpoint {
@@ -158,7 +259,7 @@ impl std::fmt::Debug for Checkpoint {
         f.debug_struct("Checkpoint")
             .field("dir", &self.dir)
             .field("n_shards", &self.shards.len())
-            .field("n_tensors", &self.table.names.len())
+            .field("n_tensors", &self.table.len())
             .finish()
     }
 }
@@ -171,29 +272,159 @@ fn io_err(file: &Path, what: &'static str, source: std::io::Error) -> Checkpoint
     }
 }
 
+/// The index as [`Checkpoint::open`] keeps it while it reads the headers: the shard file
+/// names, and each tensor name (one text, no allocation per name; a name given twice keeps
+/// its last file, as a JSON object does) with its file. The released index maps ~500,000
+/// names: a `BTreeMap<String, String>` of them held ~200 bytes per name through the open.
+#[derive(Debug, Default)]
+pub struct IndexMap {
+    /// Distinct shard file names, in first-seen order.
+    files: Vec<String>,
+    names: Names,
+    /// File of each name (index into `files`).
+    file_of: Vec<u32>,
+}
+
+impl IndexMap {
+    /// Number of distinct names.
+    pub fn len(&self) -> usize {
+        self.file_of.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.file_of.is_empty()
+    }
+    /// The shard file `name` maps to.
+    pub fn file(&self, name: &str) -> Option<&str> {
+        self.find(name).map(|(_, f)| f)
+    }
+    /// Every (name, shard file), in the index's order (a name given twice at its first
+    /// place, with its last file).
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        (0..self.len()).map(|i| (self.name(i), self.files[self.file_of[i] as usize].as_str()))
+    }
+    fn name(&self, i: usize) -> &str {
+        self.names.name(i)
+    }
+    /// The position of `name` and the file it maps to.
+    fn find(&self, name: &str) -> Option<(u32, &str)> {
+        let i = self.names.find(name)?;
+        Some((i, self.files[self.file_of[i as usize] as usize].as_str()))
+    }
+    /// Add `name -> files[file]`; a name already present takes the new file.
+    fn insert(&mut self, name: &str, file: u32) {
+        match self.names.intern(name) {
+            (i, true) => self.file_of[i as usize] = file,
+            (_, false) => self.file_of.push(file),
+        }
+    }
+}
+
 /// The index: tensor name -> shard file name.
-fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
-    read_index_with_total(index).map(|(map, _)| map)
+fn read_index(index: &Path) -> Result<IndexMap, CheckpointError> {
+    read_index_map(index).map(|(map, _)| map)
 }
 
 /// The index (tensor name -> shard file name) and its `metadata.total_size` if it states one
 /// (the sum of the tensor payloads, as the HF writers record it). Used by `k3-run verify`.
-pub fn read_index_with_total(
-    index: &Path,
-) -> Result<(BTreeMap<String, String>, Option<u64>), CheckpointError> {
+pub fn read_index_with_total(index: &Path) -> Result<(IndexMap, Option<u64>), CheckpointError> {
+    read_index_map(index)
+}
+
+fn read_index_map(index: &Path) -> Result<(IndexMap, Option<u64>), CheckpointError> {
     let bad = |msg: String| CheckpointError::IndexInvalid {
         file: index.to_path_buf(),
         msg,
     };
     let text = std::fs::read(index).map_err(|e| io_err(index, "read index", e))?;
     // Typed, not a `serde_json::Value`: the released index maps ~500,000 names, and a
-    // sorted map built during the parse and another after it cost more than the parse.
+    // sorted map built during the parse and another after it cost more than the parse. The
+    // names and files are borrowed from the text where they hold no escapes.
     #[derive(serde::Deserialize)]
     struct IndexFile {
         weight_map: Option<WeightMap>,
         metadata: Option<serde_json::Value>,
     }
-    struct WeightMap(Vec<(String, Result<String, String>)>);
+    /// The names and files, built during the parse (no list of them all in between), or the
+    /// message for the first entry in file order whose value is not a plain file name.
+    struct WeightMap(Result<IndexMap, String>);
+    /// A string borrowed from the text when it can be, else owned.
+    struct Str<'a>(Cow<'a, str>);
+    struct StrVisitor;
+    impl<'de> serde::de::Visitor<'de> for StrVisitor {
+        type Value = Str<'de>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Str<'de>, E> {
+            Ok(Str(Cow::Borrowed(v)))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Str<'de>, E> {
+            Ok(Str(Cow::Owned(v.to_string())))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Str<'de>, E> {
+            Ok(Str(Cow::Owned(v)))
+        }
+    }
+    impl<'de: 'a, 'a> serde::Deserialize<'de> for Str<'a> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_str(StrVisitor)
+        }
+    }
+    /// A value: `Some` string, `None` for anything else (consumed).
+    struct File<'a>(Option<Cow<'a, str>>);
+    struct FileVisitor;
+    impl<'de> serde::de::Visitor<'de> for FileVisitor {
+        type Value = File<'de>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<File<'de>, E> {
+            Ok(File(Some(Cow::Borrowed(v))))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<File<'de>, E> {
+            Ok(File(Some(Cow::Owned(v.to_string()))))
+        }
+        fn visit_string<E>(self, v: String) -> Result<File<'de>, E> {
+            Ok(File(Some(Cow::Owned(v))))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<File<'de>, E> {
+            Ok(File(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<File<'de>, E> {
+            Ok(File(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<File<'de>, E> {
+            Ok(File(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<File<'de>, E> {
+            Ok(File(None))
+        }
+        fn visit_unit<E>(self) -> Result<File<'de>, E> {
+            Ok(File(None))
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<File<'de>, A::Error> {
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            Ok(File(None))
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<File<'de>, A::Error> {
+            while map
+                .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                .is_some()
+            {}
+            Ok(File(None))
+        }
+    }
+    impl<'de: 'a, 'a> serde::Deserialize<'de> for File<'a> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(FileVisitor)
+        }
+    }
     impl<'de> serde::Deserialize<'de> for WeightMap {
         fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
             struct V;
@@ -206,17 +437,53 @@ pub fn read_index_with_total(
                     self,
                     mut map: A,
                 ) -> Result<WeightMap, A::Error> {
-                    let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
-                    while let Some(name) = map.next_key::<String>()? {
-                        // A value that is not a string is kept as its JSON text and refused
-                        // below by name.
-                        let file = match map.next_value::<serde_json::Value>()? {
-                            serde_json::Value::String(f) => Ok(f),
-                            other => Err(other.to_string()),
+                    let mut out = IndexMap::default();
+                    let mut first_bad: Option<String> = None;
+                    // File name -> index into `out.files`; consecutive names mostly share a
+                    // file.
+                    let mut file_ids: hashbrown::HashMap<String, u32> = hashbrown::HashMap::new();
+                    let mut last: Option<u32> = None;
+                    while let Some(Str(name)) = map.next_key::<Str<'de>>()? {
+                        // A value that is not a plain file name is refused by name once the
+                        // whole text has parsed (a syntax error anywhere is reported first).
+                        let File(file) = map.next_value::<File<'de>>()?;
+                        if first_bad.is_some() {
+                            continue;
+                        }
+                        let Some(file) = file else {
+                            first_bad = Some(format!("weight_map[{name:?}] is not a string"));
+                            continue;
                         };
-                        out.push((name, file));
+                        let id = match last {
+                            Some(id) if out.files[id as usize] == file => id,
+                            _ => {
+                                let plain = !file.is_empty()
+                                    && !file.contains('/')
+                                    && !file.contains('\\')
+                                    && file != "."
+                                    && file != "..";
+                                if !plain {
+                                    first_bad = Some(format!(
+                                        "weight_map[{name:?}] = {file:?} is not a plain file name in the checkpoint directory"
+                                    ));
+                                    continue;
+                                }
+                                let next = u32::try_from(out.files.len())
+                                    .expect("invariant: fewer than 2^32 files");
+                                let id = *file_ids.entry(file.to_string()).or_insert_with(|| {
+                                    out.files.push(file.to_string());
+                                    next
+                                });
+                                last = Some(id);
+                                id
+                            }
+                        };
+                        out.insert(&name, id);
                     }
-                    Ok(WeightMap(out))
+                    Ok(WeightMap(match first_bad {
+                        Some(msg) => Err(msg),
+                        None => Ok(out),
+                    }))
                 }
             }
             d.deserialize_map(V)
@@ -242,31 +509,17 @@ pub fn read_index_with_total(
             Ok(_) => bad(e.to_string()),
         }
     })?;
-    let map = v
-        .weight_map
-        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
-    let mut entries = Vec::with_capacity(map.0.len());
-    for (name, file) in map.0 {
-        let file = file.map_err(|_| bad(format!("weight_map[{name:?}] is not a string")))?;
-        let plain = !file.is_empty()
-            && !file.contains('/')
-            && !file.contains('\\')
-            && file != "."
-            && file != "..";
-        if !plain {
-            return Err(bad(format!(
-                "weight_map[{name:?}] = {file:?} is not a plain file name in the checkpoint directory"
-            )));
-        }
-        entries.push((name, file));
-    }
-    // A name given twice keeps its last file, as a JSON object does.
-    let out: BTreeMap<String, String> = entries.into_iter().collect();
     let total = v
         .metadata
         .as_ref()
         .and_then(|m| m.get("total_size"))
         .and_then(serde_json::Value::as_u64);
+    let map = v
+        .weight_map
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    drop(text);
+    let mut out = map.0.map_err(bad)?;
+    out.names.text.shrink_to_fit();
     Ok((out, total))
 }
 
@@ -424,29 +677,54 @@ impl Checkpoint {
                 dir: dir.to_path_buf(),
             });
         };
-        // Shard file names in sorted order, each with the tensors the index maps to it.
-        let mut by_file: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+        // Shard file names in sorted order, each with the tensors the index maps to it (as
+        // positions in the index, in index order).
+        let mut by_file: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
         match &index {
             Some(map) => {
-                for (name, file) in map {
-                    by_file.entry(file.clone()).or_default().push(name);
+                let mut per_file: Vec<Vec<u32>> = vec![Vec::new(); map.files.len()];
+                for (i, &f) in (0u32..).zip(&map.file_of) {
+                    per_file[f as usize].push(i);
                 }
+                // A file all of whose names were mapped again to another file is not named.
+                by_file.extend(
+                    map.files
+                        .iter()
+                        .map(String::as_str)
+                        .zip(per_file)
+                        .filter(|(_, names)| !names.is_empty()),
+                );
             }
             None => {
-                by_file.insert(SINGLE_FILE.to_string(), Vec::new());
+                by_file.insert(SINGLE_FILE, Vec::new());
             }
         }
+        let name_of = |i: &u32| index.as_ref().map_or("", |m| m.name(*i as usize));
         let mut shards = Vec::with_capacity(by_file.len());
         let mut table = Table::default();
+        if let Some(map) = &index {
+            table.entry_of = vec![NO_ENTRY; map.len()];
+            table.entries.reserve_exact(map.len());
+            table.name_of.reserve_exact(map.len());
+        }
+        // Positions in the index of a shard's header entries.
+        let mut positions: Vec<u32> = Vec::new();
         // Every shard the index names must exist before any header is judged, so an index
         // pointing at a missing file is reported as that, not as a mismatch elsewhere.
-        let not_needed = |names: &[&str]| {
-            spec.is_some_and(|sp| !names.is_empty() && names.iter().all(|n| is_ignored(sp, n)))
+        let not_needed = |names: &[u32]| {
+            spec.is_some_and(|sp| {
+                !names.is_empty() && names.iter().all(|n| is_ignored(sp, name_of(n)))
+            })
         };
         by_file.retain(|file_name, names| dir.join(file_name).is_file() || !not_needed(names));
         for (file_name, names) in &by_file {
             let path = dir.join(file_name);
-            let tensor = names.first().map_or_else(String::new, |s| s.to_string());
+            // The first of the shard's tensors by name.
+            let tensor = names
+                .iter()
+                .map(name_of)
+                .min()
+                .map_or_else(String::new, str::to_string);
             match shard_kind(&path) {
                 ShardKind::Regular => {}
                 ShardKind::Missing => {
@@ -471,8 +749,9 @@ impl Checkpoint {
         for (file_name, names) in &by_file {
             let path = dir.join(file_name);
             let header = header::read_shard_header(&path)?;
+            positions.clear();
             if let Some(map) = &index {
-                cross_check_index(&header, &index_path, map, file_name, names)?;
+                cross_check_index(&header, &index_path, map, file_name, names, &mut positions)?;
             }
             let shard_idx = shards.len();
             let mmap = map_shard(&header)?;
@@ -482,27 +761,37 @@ impl Checkpoint {
                 data_start: header.data_start,
                 mmap,
             });
-            for e in header.entries {
+            let shard = u32::try_from(shard_idx).expect("invariant: fewer than 2^32 shards");
+            table.entries.reserve(header.entries.len());
+            for (k, e) in header.entries.iter().enumerate() {
                 table.push(
-                    e.name,
+                    &e.name,
+                    positions.get(k).copied(),
                     Entry {
-                        shard: shard_idx,
-                        dtype: e.dtype,
-                        shape: e.shape.into_boxed_slice(),
                         begin: e.begin,
                         end: e.end,
+                        shape: Shape::from_slice(&e.shape),
+                        shard,
+                        dtype: header::dtype_id(e.dtype)
+                            .expect("invariant: header entries hold canonical dtypes"),
                     },
                 );
             }
         }
-        if let Some(dup) = table.finish() {
+        // The table's names are the index's (with an index, the entries' positions are
+        // positions in it); the rest of the index is freed.
+        drop(by_file);
+        if let Some(map) = index {
+            table.names = map.names;
+        }
+        if let Some(dup) = table.duplicate() {
             // Only reachable with an index whose cross-check passed for two shards holding
             // the same name, which a JSON map cannot express; kept as an error, not a panic.
             let tensor = dup.to_string();
             return Err(CheckpointError::NotInIndex {
                 file: table
                     .get(&tensor)
-                    .map_or_else(|| dir.to_path_buf(), |e| shards[e.shard].path.clone()),
+                    .map_or_else(|| dir.to_path_buf(), |e| shards[e.shard()].path.clone()),
                 index: index_path,
                 tensor,
             });
@@ -554,24 +843,27 @@ impl Checkpoint {
         // undeclared tensor exactly when it holds as many tensors the manifest does not
         // ignore as the spec declares (ignored ones not counted): the names are only
         // compared one by one when the counts differ.
-        let kept = |n: &&String| !is_ignored(spec, n);
-        let declared_kept = spec.tensors.iter().filter(|d| kept(&&d.name)).count();
-        if self.table.names.iter().filter(kept).count() == declared_kept {
+        let kept = |n: &&str| !is_ignored(spec, n);
+        let declared_kept = spec
+            .tensors
+            .iter()
+            .filter(|d| kept(&d.name.as_str()))
+            .count();
+        if self.table.names().filter(kept).count() == declared_kept {
             return Ok(());
         }
         let declared: hashbrown::HashSet<&str> =
             spec.tensors.iter().map(|d| d.name.as_str()).collect();
-        let unexpected: Vec<&String> = self
+        let unexpected: Vec<&str> = self
             .table
-            .names
-            .iter()
-            .filter(|n| kept(n) && !declared.contains(n.as_str()))
+            .names()
+            .filter(|n| kept(n) && !declared.contains(n))
             .collect();
         if let Some(first) = unexpected.first() {
             return Err(CheckpointError::UnexpectedTensor {
                 file: self.path_of(first),
                 model: spec.name.clone(),
-                tensor: (*first).clone(),
+                tensor: first.to_string(),
                 more: unexpected.len() - 1,
             });
         }
@@ -585,13 +877,13 @@ impl Checkpoint {
         d: &TensorDecl,
         e: &Entry,
     ) -> Option<CheckpointError> {
-        let file = || self.shards[e.shard].path.clone();
-        if e.dtype != d.dtype.as_str() {
+        let file = || self.shards[e.shard()].path.clone();
+        if e.dtype() != d.dtype.as_str() {
             return Some(CheckpointError::WrongDtype {
                 file: file(),
                 tensor: d.name.clone(),
                 expected: d.dtype.as_str().to_string(),
-                found: e.dtype.to_string(),
+                found: e.dtype().to_string(),
             });
         }
         if *e.shape == *d.shape {
@@ -601,14 +893,14 @@ impl Checkpoint {
             (TensorRole::KdaALog, Some(k)) => CheckpointError::ALogShape {
                 file: file(),
                 tensor: d.name.clone(),
-                expected: d.shape.clone(),
+                expected: d.shape.to_vec(),
                 found: e.shape.to_vec(),
                 n_heads: k.n_heads,
             },
             _ => CheckpointError::WrongShape {
                 file: file(),
                 tensor: d.name.clone(),
-                expected: d.shape.clone(),
+                expected: d.shape.to_vec(),
                 found: e.shape.to_vec(),
             },
         })
@@ -747,7 +1039,7 @@ impl Checkpoint {
             .table
             .get(&decl.name)
             .ok_or_else(|| self.unknown(&decl.name))?;
-        let shard = &self.shards[e.shard];
+        let shard = &self.shards[e.shard()];
         let io = |source| CheckpointError::Io {
             file: shard.path.clone(),
             what: "expert scales",
@@ -756,7 +1048,7 @@ impl Checkpoint {
         if files.len() < self.shards.len() {
             files.resize_with(self.shards.len(), || None);
         }
-        let f = match &mut files[e.shard] {
+        let f = match &mut files[e.shard()] {
             Some(f) => f,
             slot @ None => {
                 let f = File::open(&shard.path).map_err(io)?;
@@ -809,7 +1101,7 @@ impl Checkpoint {
     fn path_of(&self, name: &str) -> PathBuf {
         self.table.get(name).map_or_else(
             || self.index_or_dir(),
-            |e| self.shards[e.shard].path.clone(),
+            |e| self.shards[e.shard()].path.clone(),
         )
     }
 
@@ -834,13 +1126,13 @@ impl Checkpoint {
     }
 
     /// Every tensor name, in file order (shard by shard, by offset).
-    pub fn tensor_names(&self) -> &[String] {
-        &self.table.names
+    pub fn tensor_names(&self) -> TensorNames<'_> {
+        self.table.names()
     }
 
     /// Header facts of a tensor: (dtype string, shape).
     pub fn info(&self, name: &str) -> Option<(&str, &[usize])> {
-        self.table.get(name).map(|e| (e.dtype, &*e.shape))
+        self.table.get(name).map(|e| (e.dtype(), &*e.shape))
     }
 
     /// A cheap identity of the checkpoint's weights: FNV-1a 64 of every trunk layer's
@@ -903,7 +1195,7 @@ impl Checkpoint {
             h.eat(t.name.as_bytes());
             h.eat(&len.to_le_bytes());
             if largest.is_none_or(|(l, _, _)| len > l) {
-                largest = Some((len, self.shards[e.shard].data_start + e.begin, e.shard));
+                largest = Some((len, self.shards[e.shard()].data_start + e.begin, e.shard()));
             }
         }
         if let Some((len, at, shard)) = largest {
@@ -918,7 +1210,7 @@ impl Checkpoint {
     /// The raw bytes of a tensor by name, `None` if the checkpoint does not hold it.
     pub fn try_bytes(&self, name: &str) -> Option<&[u8]> {
         let e = self.table.get(name)?;
-        let s = &self.shards[e.shard];
+        let s = &self.shards[e.shard()];
         let start = usize::try_from(s.data_start + e.begin).ok()?;
         let end = usize::try_from(s.data_start + e.end).ok()?;
         s.mmap.get(start..end)
@@ -936,7 +1228,7 @@ impl Checkpoint {
     /// Absolute location of a tensor (for O_DIRECT readers and the trunk packer).
     pub fn try_location(&self, name: &str) -> Option<TensorLocation> {
         let e = self.table.get(name)?;
-        let s = &self.shards[e.shard];
+        let s = &self.shards[e.shard()];
         Some(TensorLocation {
             shard_path: s.path.clone(),
             file_offset: s.data_start + e.begin,
@@ -950,8 +1242,8 @@ impl Checkpoint {
     pub fn shard_span(&self, name: &str) -> Option<(usize, u64, u64)> {
         let e = self.table.get(name)?;
         Some((
-            e.shard,
-            self.shards[e.shard].data_start + e.begin,
+            e.shard(),
+            self.shards[e.shard()].data_start + e.begin,
             e.end - e.begin,
         ))
     }
@@ -996,7 +1288,7 @@ impl Checkpoint {
                 msg: "empty tensor list".into(),
             });
         };
-        let file = self.shards[first.shard].path.clone();
+        let file = self.shards[first.shard()].path.clone();
         for w in es.windows(2) {
             let ((an, a), (bn, b)) = (w[0], w[1]);
             let msg = if a.shard != b.shard {
@@ -1018,7 +1310,7 @@ impl Checkpoint {
                 });
             }
         }
-        let s = &self.shards[first.shard];
+        let s = &self.shards[first.shard()];
         Ok(TensorLocation {
             shard_path: s.path.clone(),
             file_offset: s.data_start + first.begin,
@@ -1069,26 +1361,44 @@ impl Checkpoint {
     }
 }
 
-/// The index and the shard header agree on which tensors live in this shard.
+/// The index and the shard header agree on which tensors live in this shard. `names` are the
+/// positions in `map` of the names it maps to `file_name`; `positions` receives each header
+/// entry's position in `map`.
 fn cross_check_index(
     header: &ShardHeader,
     index_path: &Path,
-    map: &BTreeMap<String, String>,
+    map: &IndexMap,
     file_name: &str,
-    names: &[&str],
+    names: &[u32],
+    positions: &mut Vec<u32>,
 ) -> Result<(), CheckpointError> {
+    positions.reserve(header.entries.len());
     for e in &header.entries {
-        if map.get(&e.name).map(String::as_str) != Some(file_name) {
-            return Err(CheckpointError::NotInIndex {
-                file: header.path.clone(),
-                index: index_path.to_path_buf(),
-                tensor: e.name.clone(),
-            });
+        match map.find(&e.name) {
+            Some((pos, file)) if file == file_name => positions.push(pos),
+            _ => {
+                return Err(CheckpointError::NotInIndex {
+                    file: header.path.clone(),
+                    index: index_path.to_path_buf(),
+                    tensor: e.name.clone(),
+                });
+            }
         }
+    }
+    // Every header name is one of `names` (above) and the header's names are distinct
+    // (`header::parse_header_json`), as are the index's: equal counts mean equal sets.
+    if header.entries.len() == names.len() {
+        return Ok(());
     }
     let in_shard: std::collections::HashSet<&str> =
         header.entries.iter().map(|e| e.name.as_str()).collect();
-    if let Some(n) = names.iter().find(|n| !in_shard.contains(**n)) {
+    // The first missing name by name order, as a sorted map's walk would find it.
+    if let Some(n) = names
+        .iter()
+        .map(|&i| map.name(i as usize))
+        .filter(|n| !in_shard.contains(*n))
+        .min()
+    {
         return Err(CheckpointError::NotInShard {
             file: header.path.clone(),
             index: index_path.to_path_buf(),

@@ -261,7 +261,7 @@ fn layer_source(
             name: d.name.clone(),
             role: role_name(d),
             dtype: d.dtype.as_str().to_string(),
-            shape: d.shape.clone(),
+            shape: d.shape.to_vec(),
             offset: loc.file_offset - source_offset,
             size: loc.n_bytes,
         })
@@ -281,11 +281,10 @@ fn layer_source(
 fn tensors_in_gap(ck: &Checkpoint, shard: &Path, begin: u64, end: u64) -> String {
     let mut names: Vec<(u64, &str)> = ck
         .tensor_names()
-        .iter()
         .filter_map(|n| {
             let l = ck.try_location(n)?;
             (l.shard_path == shard && l.file_offset < end && l.file_offset + l.n_bytes > begin)
-                .then_some((l.file_offset, n.as_str()))
+                .then_some((l.file_offset, n))
         })
         .collect();
     names.sort();
@@ -331,7 +330,7 @@ pub fn plan_pack(
                 name: d.name.clone(),
                 role: role_name(d),
                 dtype: d.dtype.as_str().to_string(),
-                shape: d.shape.clone(),
+                shape: d.shape.to_vec(),
                 shard: file_name(&loc.shard_path),
                 offset: loc.file_offset,
                 size: loc.n_bytes,
@@ -792,7 +791,7 @@ impl TrunkManifest {
                 })?;
                 if t.role != role_name(d)
                     || t.dtype != d.dtype.as_str()
-                    || t.shape != d.shape
+                    || *t.shape != *d.shape
                     || t.size != d.n_bytes() as u64
                 {
                     return Err(format!(

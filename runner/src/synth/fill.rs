@@ -167,7 +167,7 @@ pub fn item_for(spec: &ModelSpec, cond: &Conditioning, d: &TensorDecl) -> Item {
     Item {
         name: d.name.clone(),
         dtype: d.dtype,
-        shape: d.shape.clone(),
+        shape: d.shape.to_vec(),
         layer: d.layer,
         recipe: recipe_for(spec, cond, d),
     }

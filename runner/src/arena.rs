@@ -39,6 +39,9 @@ pub struct ArenaOptions {
     pub o_direct: bool,
     /// Advise 2 MiB transparent huge pages for the arena.
     pub huge_pages: bool,
+    /// With `huge_pages`: where the arena's pages come from (the reserved pool when it has
+    /// room for the whole arena, I/O policy `reserved_huge_pages`).
+    pub pages: crate::stream::aligned::PageSource,
     /// Reads in flight.
     pub read_threads: usize,
     /// Draw a progress bar on stderr (only when it is a terminal and the load is large).
@@ -50,6 +53,7 @@ impl Default for ArenaOptions {
         ArenaOptions {
             o_direct: true,
             huge_pages: true,
+            pages: crate::stream::aligned::PageSource::Anonymous,
             read_threads: 8,
             progress: true,
         }
@@ -68,8 +72,10 @@ pub struct ArenaStats {
     pub bytes_read: u64,
     pub extents: usize,
     pub seconds: f64,
-    /// Whether `madvise(MADV_HUGEPAGE)` was accepted.
+    /// Whether `madvise(MADV_HUGEPAGE)` was accepted (or the pages are the reserved pool's).
     pub huge_pages: bool,
+    /// The arena is on the reserved huge-page pool (not in the peak RSS getrusage reports).
+    pub hugetlb: bool,
     /// Every shard was read with O_DIRECT.
     pub o_direct: bool,
     /// Why some reads were buffered, if they were.
@@ -169,7 +175,7 @@ impl Arena {
             files.push(file);
         }
         let align = if opts.huge_pages { HUGE_PAGE } else { IO_ALIGN };
-        let mut buf = AlignedBuf::with_align(at, align).map_err(|e| {
+        let mut buf = AlignedBuf::with_align_from(at, align, opts.pages).map_err(|e| {
             StreamError::Invalid(format!(
                 "cannot allocate {} for the resident weights of {}: {e}",
                 crate::stream::fmt_bytes(at as u64),
@@ -194,6 +200,7 @@ impl Arena {
             extents: extents.len(),
             seconds: t0.elapsed().as_secs_f64(),
             huge_pages: buf.huge_pages(),
+            hugetlb: buf.hugetlb(),
             o_direct: files.iter().all(DirectFile::is_direct),
             fallback,
         };
@@ -233,7 +240,9 @@ impl Arena {
             "resident weights: {} tensors, {} in {} ({}) loaded in {:.2} s ({rate:.0} MB/s, {})",
             s.n_tensors,
             crate::stream::fmt_bytes(s.tensor_bytes),
-            if s.huge_pages {
+            if s.hugetlb {
+                "2 MiB pages of the reserved vm.nr_hugepages pool, not in the peak RSS"
+            } else if s.huge_pages {
                 "2 MiB-page anonymous memory"
             } else {
                 "anonymous memory, 4 KiB pages"

@@ -1341,9 +1341,19 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         },
         if trunk.o_direct { ", O_DIRECT" } else { "" }
     );
+    let reserved = trunk.hugetlb_bytes + session.arena_hugetlb_bytes;
     println!(
-        "PEAK RSS {:.1} MB (getrusage; quote this, not the plan)",
-        peak as f64 / 1e6
+        "PEAK RSS {:.1} MB (getrusage; quote this, not the plan){}",
+        peak as f64 / 1e6,
+        if reserved > 0 {
+            format!(
+                ", plus {:.1} MB of weight buffers on reserved huge pages (vm.nr_hugepages), \
+                 which getrusage does not count",
+                reserved as f64 / 1e6
+            )
+        } else {
+            String::new()
+        }
     );
     dump_logits(a, &[&res.first_logits])?;
     dump_layer_logits(a, &res.layer_logits)?;
@@ -1367,6 +1377,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         "seconds_per_token": res.seconds_per_token,
         "total_seconds": res.total_seconds,
         "peak_rss_bytes": peak,
+        "reserved_huge_page_bytes": reserved,
         "stopped_by": res.stopped_by,
         "speculation": spec_stats,
         "memory_plan": session.startup,

@@ -184,7 +184,12 @@ pub fn load_resident(
         return Ok((None, MAPPED));
     }
     let need = ResidentArena::planned_bytes(spec, ckpt, &parts);
-    if let Some(avail) = crate::stream::plan::memory_limit_bytes()
+    // The reserved huge-page pool is outside MemAvailable: an arena it can hold fits.
+    let in_pool = m.io.reserved_huge_pages
+        && m.io.huge_pages
+        && crate::stream::plan::reserved_pool_free_bytes().is_some_and(|f| f >= need);
+    if !in_pool
+        && let Some(avail) = crate::stream::plan::memory_limit_bytes()
         && need > avail
     {
         startup.push(format!(
@@ -198,6 +203,7 @@ pub fn load_resident(
     let opts = crate::arena::ArenaOptions {
         o_direct: m.io.o_direct,
         huge_pages: m.io.huge_pages,
+        pages: m.io.page_source(),
         read_threads: m.io.read_threads,
         progress: true,
     };

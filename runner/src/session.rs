@@ -87,6 +87,9 @@ pub struct Session<'c> {
     pub planned_bytes: u64,
     /// Seconds spent loading the resident arena ([`ResidentMode::Arena`]; start-up cost), if any.
     pub resident_load_seconds: f64,
+    /// Bytes of the resident arena on the reserved huge-page pool (`vm.nr_hugepages`): not in
+    /// the peak RSS getrusage reports (the trunk's are in its stats, `hugetlb_bytes`).
+    pub arena_hugetlb_bytes: u64,
     /// No trunk layer is read from disk per token: the whole trunk is in RAM (resident, or
     /// every layer pinned). Routed experts may still stream.
     pub trunk_in_ram: bool,
@@ -121,7 +124,13 @@ pub fn build_with<'c>(
     let bind = |e: crate::weights::WeightError| StreamError::Invalid(e.to_string());
     let (arena, resident_where) = load_resident(spec, ckpt, m, resident, &mut startup)?;
     let resident_load_seconds = arena.as_ref().map_or(0.0, |a| a.stats().seconds);
-    if let Some(a) = &arena {
+    let arena_hugetlb_bytes = arena
+        .as_ref()
+        .filter(|a| a.stats().hugetlb)
+        .map_or(0, |a| a.stats().arena_bytes);
+    // Pages of the reserved huge-page pool are not part of the limit the state check uses
+    // (MemAvailable and the cgroup leave them out), so they are not planned against it.
+    if let Some(a) = arena.as_ref().filter(|a| !a.stats().hugetlb) {
         planned += a.stats().arena_bytes;
     }
     // Whether the whole trunk is in RAM (no layer read per token): kernel workers spin.
@@ -151,6 +160,7 @@ pub fn build_with<'c>(
                     // K3_PIN_SYNC=1: load it in the session build, before the run (for A/B).
                     background_pinned: std::env::var_os("K3_PIN_SYNC").is_none(),
                     active_layers: None,
+                    pages: m.io.page_source(),
                 };
                 if m.trunk_budget_bytes.is_none() {
                     startup.push(
@@ -160,7 +170,10 @@ pub fn build_with<'c>(
                 let pool = crate::stream::direct::ReadPool::for_policy(&m.io)?;
                 let t = StreamedTrunk::open_with_pool(dir, spec, &opts, pool)?;
                 startup.extend(t.startup_lines());
-                planned += t.plan().planned_bytes();
+                planned += t
+                    .plan()
+                    .planned_bytes()
+                    .saturating_sub(crate::weights::TrunkSource::stats(&t).hugetlb_bytes);
                 trunk_in_ram = t.plan().pinned_layers == t.plan().n_layers;
                 Box::new(t)
             }
@@ -249,6 +262,7 @@ pub fn build_with<'c>(
         startup,
         planned_bytes: planned,
         resident_load_seconds,
+        arena_hugetlb_bytes,
         trunk_in_ram,
     })
 }

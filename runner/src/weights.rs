@@ -97,6 +97,10 @@ pub struct TrunkStats {
     /// The pinned prefix loaded on background threads beside start-up and the prompt, not in
     /// the session build.
     pub pinned_background: bool,
+    /// Bytes of trunk buffers (pinned prefix, ring) on the reserved huge-page pool
+    /// (`vm.nr_hugepages`; I/O policy `reserved_huge_pages`): not in the peak RSS getrusage
+    /// reports, and not charged to a memory cgroup.
+    pub hugetlb_bytes: u64,
 }
 
 /// Counters an expert provider reports (SYSTEM.md §4).

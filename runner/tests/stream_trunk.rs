@@ -73,6 +73,8 @@ fn opts(budget: u64, ring: usize) -> TrunkOptions {
         preload_pinned: true,
         background_pinned: false,
         active_layers: None,
+        // as the default I/O policy: the reserved pool when the system has one
+        pages: k3_run::stream::aligned::PageSource::ReservedFirst,
     }
 }
 

@@ -2,12 +2,23 @@
 //!
 //! Owns: allocating buffers whose address (and usable length) are multiples of the O_DIRECT
 //! alignment (4096) — or of 2 MiB for large buffers, advised as transparent huge pages with
-//! `madvise(MADV_HUGEPAGE)` where the kernel allows it — and unmapping them on drop.
+//! `madvise(MADV_HUGEPAGE)` where the kernel allows it, or taken from the reserved huge-page
+//! pool when the caller asks for [`PageSource::ReservedFirst`] and the pool has room — and
+//! unmapping them on drop.
 //! Must not: read files or know what the bytes mean.
 //! Follows upstream: SYSTEM.md §3 ("buffers are 2 MB huge-page backed: O_DIRECT pins every
 //! target page; 4 KB pages cost ~54 million pin operations per token on real K3") and
-//! rust-deps.md Q4 (anonymous mapping + madvise; MAP_HUGETLB is not used because it needs
-//! reserved huge pages).
+//! rust-deps.md Q4 (anonymous mapping + madvise by default: MAP_HUGETLB needs reserved huge
+//! pages, `vm.nr_hugepages`, which is 0 unless an administrator sets it).
+//!
+//! Why the reserved pool at all: on a VM whose balloon device reports free pages to the host
+//! (virtio-balloon free page reporting), memory a process frees is handed back to the host
+//! within seconds and the next first touch faults on the host: 0.6-1.1 GB/s measured on the
+//! development VMs, below the disk's O_DIRECT rate, so a fresh pinned prefix loads at the rate
+//! the host backs memory, not the disk's. Pages in the `vm.nr_hugepages` pool are never on the
+//! guest's free lists, so they stay backed between runs (5.4-7.5 GB/s to touch after 15-30 s
+//! idle; docs/PERFORMANCE.md, sixteenth session). getrusage does not count them in the RSS and
+//! the memory cgroup does not charge them: callers report them apart.
 
 use std::io;
 use std::ptr::NonNull;
@@ -17,6 +28,19 @@ use std::sync::{Arc, Weak};
 pub const IO_ALIGN: usize = 4096;
 /// Transparent huge page size on x86-64 / most arm64 kernels; large buffers align to it.
 pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Where a large (2 MiB-aligned) buffer's pages come from. Small buffers are always plain
+/// anonymous memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PageSource {
+    /// Anonymous memory, advised as 2 MB transparent huge pages.
+    #[default]
+    Anonymous,
+    /// 2 MB pages of the reserved pool (`MAP_HUGETLB`; `vm.nr_hugepages`) when the pool has
+    /// enough free pages for the whole buffer (the mapping reserves them up front, so a later
+    /// fault cannot fail); otherwise as [`PageSource::Anonymous`].
+    ReservedFirst,
+}
 
 /// Round `n` up to a multiple of `align` (a power of two).
 pub fn align_up(n: u64, align: u64) -> u64 {
@@ -36,6 +60,8 @@ pub fn align_down(n: u64, align: u64) -> u64 {
 struct Region {
     start: NonNull<u8>,
     len: usize,
+    /// Pages of the reserved huge-page pool (`MAP_HUGETLB`).
+    hugetlb: bool,
 }
 
 // SAFETY: the region is only ever unmapped (in Drop, once); all access to its bytes goes
@@ -56,8 +82,20 @@ impl Drop for Region {
 impl Region {
     /// Map `capacity` zeroed bytes (a multiple of 4096) starting at a multiple of `align`;
     /// advise huge pages when `align >= HUGE_PAGE`. Returns the region and whether the advice
-    /// was accepted.
-    fn map(capacity: usize, align: usize, len_for_errors: usize) -> io::Result<(Region, bool)> {
+    /// was accepted. With [`PageSource::ReservedFirst`] and `align == HUGE_PAGE`, first try the
+    /// reserved pool (reported as huge pages).
+    fn map(
+        capacity: usize,
+        align: usize,
+        len_for_errors: usize,
+        source: PageSource,
+    ) -> io::Result<(Region, bool)> {
+        if source == PageSource::ReservedFirst
+            && align == HUGE_PAGE
+            && let Some(r) = Self::map_reserved(capacity)
+        {
+            return Ok((r, true));
+        }
         // Over-allocate by `align - page` so an aligned start exists, then trim both ends.
         let slack = align - IO_ALIGN;
         let map_len = capacity
@@ -110,9 +148,41 @@ impl Region {
             Region {
                 start,
                 len: capacity,
+                hugetlb: false,
             },
             huge_pages,
         ))
+    }
+
+    /// `capacity` bytes (rounded up to 2 MiB) of the reserved huge-page pool, or `None` when
+    /// the pool cannot reserve them all (none configured, too few free, or not 2 MiB pages).
+    fn map_reserved(capacity: usize) -> Option<Region> {
+        let len = usize::try_from(align_up(capacity as u64, HUGE_PAGE as u64)).ok()?;
+        // SAFETY: anonymous private mapping with no address hint; the result is checked.
+        // Without MAP_NORESERVE the kernel reserves every page now or fails with ENOMEM, so
+        // no later fault on the range can fail for want of a page.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        let region = Region {
+            // SAFETY: mmap succeeded, so `base` is not null.
+            start: unsafe { NonNull::new_unchecked(base as *mut u8) },
+            len,
+            hugetlb: true,
+        };
+        // A hugetlb mapping starts on a huge page; anything else is not what was asked for
+        // (dropping the region unmaps it).
+        (base as usize).is_multiple_of(HUGE_PAGE).then_some(region)
     }
 }
 
@@ -131,7 +201,7 @@ pub struct AlignedBuf {
     align: usize,
     huge_pages: bool,
     /// Keeps the mapping alive; shared by every buffer carved from it.
-    _region: Arc<Region>,
+    region: Arc<Region>,
     /// For a buffer lent by an [`EndsRing`]: the ring sees the range as taken while this lives.
     _lease: Option<Arc<()>>,
 }
@@ -158,6 +228,21 @@ impl AlignedBuf {
     /// A buffer of `len` bytes aligned to `align` (a power of two >= 4096). Alignments of
     /// 2 MiB or more are advised as huge pages.
     pub fn with_align(len: usize, align: usize) -> io::Result<Self> {
+        Self::with_align_from(len, align, PageSource::Anonymous)
+    }
+
+    /// [`AlignedBuf::new`] with its pages from `source` (large buffers only).
+    pub fn new_from(len: usize, source: PageSource) -> io::Result<Self> {
+        let align = if len >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            IO_ALIGN
+        };
+        Self::with_align_from(len, align, source)
+    }
+
+    /// [`AlignedBuf::with_align`] with its pages from `source` (2 MiB alignments only).
+    pub fn with_align_from(len: usize, align: usize, source: PageSource) -> io::Result<Self> {
         if !align.is_power_of_two() || align < IO_ALIGN {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -166,14 +251,14 @@ impl AlignedBuf {
         }
         let capacity = align_up(len.max(1) as u64, align.min(HUGE_PAGE) as u64);
         let capacity = usize::try_from(capacity).map_err(|_| too_big(len))?;
-        let (region, huge_pages) = Region::map(capacity, align, len)?;
+        let (region, huge_pages) = Region::map(capacity, align, len, source)?;
         Ok(Self {
             ptr: region.start,
             len,
             capacity,
             align,
             huge_pages,
-            _region: Arc::new(region),
+            region: Arc::new(region),
             _lease: None,
         })
     }
@@ -195,7 +280,7 @@ impl AlignedBuf {
             .ok_or_else(|| too_big(len))?;
         let total = usize::try_from(total).map_err(|_| too_big(len))?;
         let stride = stride as usize;
-        let (region, huge_pages) = Region::map(total, HUGE_PAGE, len)?;
+        let (region, huge_pages) = Region::map(total, HUGE_PAGE, len, PageSource::Anonymous)?;
         let region = Arc::new(region);
         Ok((0..count)
             .map(|i| AlignedBuf {
@@ -205,7 +290,7 @@ impl AlignedBuf {
                 capacity: stride,
                 align: IO_ALIGN,
                 huge_pages,
-                _region: Arc::clone(&region),
+                region: Arc::clone(&region),
                 _lease: None,
             })
             .collect())
@@ -230,9 +315,16 @@ impl AlignedBuf {
         self.align
     }
 
-    /// Whether `madvise(MADV_HUGEPAGE)` was accepted for this buffer.
+    /// Whether the buffer is on huge pages: `madvise(MADV_HUGEPAGE)` accepted, or pages of
+    /// the reserved pool.
     pub fn huge_pages(&self) -> bool {
         self.huge_pages
+    }
+
+    /// Whether the buffer's pages come from the reserved huge-page pool (not counted in the
+    /// process's RSS by getrusage).
+    pub fn hugetlb(&self) -> bool {
+        self.region.hugetlb
     }
 
     /// The first `len()` bytes.
@@ -276,11 +368,16 @@ pub struct EndsRing {
 impl EndsRing {
     /// A ring of `len` bytes rounded up to 4096, 2 MiB-aligned and huge-page advised.
     pub fn new(len: usize) -> io::Result<Self> {
+        Self::new_from(len, PageSource::Anonymous)
+    }
+
+    /// [`EndsRing::new`] with its pages from `source`.
+    pub fn new_from(len: usize, source: PageSource) -> io::Result<Self> {
         let capacity = usize::try_from(align_up(len.max(1) as u64, IO_ALIGN as u64))
             .map_err(|_| too_big(len))?;
         let map_len = usize::try_from(align_up(capacity as u64, HUGE_PAGE as u64))
             .map_err(|_| too_big(len))?;
-        let (region, huge_pages) = Region::map(map_len, HUGE_PAGE, len)?;
+        let (region, huge_pages) = Region::map(map_len, HUGE_PAGE, len, source)?;
         Ok(Self {
             region: Arc::new(region),
             capacity,
@@ -294,9 +391,19 @@ impl EndsRing {
         self.capacity
     }
 
-    /// Whether `madvise(MADV_HUGEPAGE)` was accepted.
+    /// Whether `madvise(MADV_HUGEPAGE)` was accepted (or the pages are the reserved pool's).
     pub fn huge_pages(&self) -> bool {
         self.huge_pages
+    }
+
+    /// Whether the ring's pages come from the reserved huge-page pool.
+    pub fn hugetlb(&self) -> bool {
+        self.region.hugetlb
+    }
+
+    /// Bytes of the mapping (on the reserved pool: rounded up to 2 MiB).
+    pub fn mapped_bytes(&self) -> usize {
+        self.region.len
     }
 
     /// Bytes currently lent out (buffers still alive).
@@ -336,7 +443,7 @@ impl EndsRing {
             capacity: cap,
             align: IO_ALIGN,
             huge_pages: self.huge_pages,
-            _region: Arc::clone(&self.region),
+            region: Arc::clone(&self.region),
             _lease: Some(lease),
         })
     }
@@ -460,6 +567,57 @@ mod tests {
         drop(r); // the mapping outlives the ring while buffers live
         assert!(b.full().iter().all(|&x| x == 2));
         assert_eq!(c.capacity(), 6 * IO_ALIGN);
+    }
+
+    /// Free 2 MiB pages of the reserved pool, from /proc/meminfo (0 when there is none).
+    fn pool_free_pages() -> u64 {
+        let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().split(' ').next()?.parse().ok())
+        };
+        match field("Hugepagesize:") {
+            Some(2048u64) => field("HugePages_Free:").unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// Reserved-first buffers behave like any other: aligned, zeroed, writable, and on the
+    /// pool exactly when it has room (with `vm.nr_hugepages` 0, the default, they fall back to
+    /// anonymous memory; docs/TESTING.md records a run of the suite with a pool reserved).
+    #[test]
+    fn reserved_first_buffers_use_the_pool_when_it_has_room_and_fall_back_otherwise() {
+        let free_before = pool_free_pages();
+        let mut b = AlignedBuf::new_from(2 * HUGE_PAGE + 5, PageSource::ReservedFirst)
+            .expect("reserved-first alloc");
+        assert_eq!(b.as_slice().as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(b.capacity(), 3 * HUGE_PAGE);
+        assert!(b.huge_pages() || !b.hugetlb());
+        assert!(b.full().iter().all(|&x| x == 0), "starts zeroed");
+        b.full_mut().fill(3);
+        assert!(b.as_slice().iter().all(|&x| x == 3));
+        // Other tests may take pool pages meanwhile; with 32 free (64 MiB) there is room.
+        if free_before >= 32 {
+            assert!(
+                b.hugetlb(),
+                "{free_before} free pool pages, yet not on the pool"
+            );
+        } else if free_before == 0 {
+            assert!(!b.hugetlb(), "no pool, yet on it");
+        }
+        // Small buffers and anonymous requests never touch the pool.
+        let small = AlignedBuf::new_from(100_000, PageSource::ReservedFirst).expect("small");
+        assert!(!small.hugetlb());
+        assert_eq!(small.as_slice().as_ptr() as usize % IO_ALIGN, 0);
+        let anon = AlignedBuf::new_from(2 * HUGE_PAGE, PageSource::Anonymous).expect("anon");
+        assert!(!anon.hugetlb());
+        let mut r = EndsRing::new_from(HUGE_PAGE + IO_ALIGN, PageSource::ReservedFirst)
+            .expect("reserved-first ring");
+        assert!(r.mapped_bytes() >= r.capacity());
+        let mut x = r.lend(IO_ALIGN, false).expect("end");
+        x.full_mut().fill(9);
+        assert_eq!(x.hugetlb(), r.hugetlb());
+        assert!(x.full().iter().all(|&v| v == 9));
     }
 
     #[test]

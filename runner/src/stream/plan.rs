@@ -351,6 +351,29 @@ pub fn memory_limit_at(root: &Path) -> MemoryLimit {
     }
 }
 
+/// Free pages of the reserved 2 MiB huge-page pool (`vm.nr_hugepages`) in bytes, from
+/// /proc/meminfo; `None` when unreadable or the default huge page is not 2 MiB (the only size
+/// [`crate::stream::aligned::PageSource::ReservedFirst`] maps).
+pub fn reserved_pool_free_bytes() -> Option<u64> {
+    parse_reserved_pool_free(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// [`reserved_pool_free_bytes`] from the text of /proc/meminfo.
+pub fn parse_reserved_pool_free(text: &str) -> Option<u64> {
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    let page_kb = field("Hugepagesize")?;
+    (page_kb == 2048).then_some(field("HugePages_Free")? * page_kb * 1024)
+}
+
 /// `MemAvailable` in bytes from the text of /proc/meminfo.
 pub fn parse_meminfo_available(text: &str) -> Option<u64> {
     text.lines().find_map(|l| {
@@ -718,6 +741,19 @@ mod tests {
         let t = "MemTotal:       24000000 kB\nMemFree:  1 kB\nMemAvailable:   23000000 kB\n";
         assert_eq!(parse_meminfo_available(t), Some(23_000_000 * 1024));
         assert_eq!(parse_meminfo_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn reserved_pool_parse() {
+        let t = "MemAvailable: 9 kB\nHugePages_Total:    1300\nHugePages_Free:     1290\n\
+                 HugePages_Rsvd:        0\nHugepagesize:       2048 kB\n";
+        assert_eq!(parse_reserved_pool_free(t), Some(1290 * 2048 * 1024));
+        let none = t.replace("1290", "0");
+        assert_eq!(parse_reserved_pool_free(&none), Some(0));
+        // 1 GiB default pages are not what the buffers map
+        let gig = t.replace("2048 kB", "1048576 kB");
+        assert_eq!(parse_reserved_pool_free(&gig), None);
+        assert_eq!(parse_reserved_pool_free("MemTotal: 1 kB\n"), None);
     }
 
     /// A fake `/` (a temporary directory): `proc/self/cgroup`, `proc/meminfo`, cgroup files.

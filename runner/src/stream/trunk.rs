@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use k3_models::spec::{ModelSpec, TensorDecl};
 
-use super::aligned::{AlignedBuf, EndsRing};
+use super::aligned::{AlignedBuf, EndsRing, PageSource};
 use super::compress;
 use super::direct::{DirectFile, ReadPool};
 use super::pack::{TRUNK_BIN, TrunkManifest, trunk_decls_by_layer};
@@ -56,6 +56,8 @@ pub struct TrunkOptions {
     pub background_pinned: bool,
     /// Only the first N layers are used (`--layers N`); `None` = all.
     pub active_layers: Option<usize>,
+    /// Where the pinned and ring buffers' pages come from (I/O policy `reserved_huge_pages`).
+    pub pages: PageSource,
 }
 
 impl Default for TrunkOptions {
@@ -68,6 +70,7 @@ impl Default for TrunkOptions {
             preload_pinned: true,
             background_pinned: false,
             active_layers: None,
+            pages: PageSource::Anonymous,
         }
     }
 }
@@ -447,6 +450,8 @@ pub struct StreamedTrunk {
     /// Ring reads issued for a layer other than the one being asked for (read ahead).
     reads_ahead: u64,
     huge_pages: bool,
+    /// Where new pinned buffers' pages come from.
+    pages: PageSource,
 }
 
 impl std::fmt::Debug for StreamedTrunk {
@@ -574,14 +579,19 @@ impl StreamedTrunk {
             .max()
             .unwrap_or(0);
         let mut huge_pages = false;
+        let mut hugetlb_bytes = 0u64;
+        let pages = opts.pages;
         let mut alloc = |len: usize| -> Result<AlignedBuf, StreamError> {
-            let b = AlignedBuf::new(len).map_err(|e| {
+            let b = AlignedBuf::new_from(len, pages).map_err(|e| {
                 StreamError::Invalid(format!(
                     "cannot allocate a {} trunk buffer: {e}",
                     fmt_bytes(len as u64)
                 ))
             })?;
             huge_pages |= b.huge_pages();
+            if b.hugetlb() {
+                hugetlb_bytes += b.capacity() as u64;
+            }
             Ok(b)
         };
         // A shared ring must hold every streamed layer's span (the plan sized it from the same
@@ -590,13 +600,16 @@ impl StreamedTrunk {
         let ring = match plan.ring_slots {
             0 => Ring::None,
             1 if shared >= slot_len && shared > 0 => {
-                let ring = EndsRing::new(shared).map_err(|e| {
+                let ring = EndsRing::new_from(shared, pages).map_err(|e| {
                     StreamError::Invalid(format!(
                         "cannot allocate the {} shared trunk ring: {e}",
                         fmt_bytes(shared as u64)
                     ))
                 })?;
                 huge_pages |= ring.huge_pages();
+                if ring.hugetlb() {
+                    hugetlb_bytes += ring.mapped_bytes() as u64;
+                }
                 Prefetch::ring(Slots::Ends {
                     ring,
                     next_at_start: true,
@@ -618,6 +631,7 @@ impl StreamedTrunk {
             ring_slot_bytes: plan.ring_slot_bytes,
             shared_ring_bytes: plan.shared_ring_bytes,
             o_direct: file.is_direct(),
+            hugetlb_bytes,
             ..TrunkStats::default()
         };
         let mut t = Self {
@@ -643,6 +657,7 @@ impl StreamedTrunk {
             out_of_order: 0,
             reads_ahead: 0,
             huge_pages,
+            pages,
         };
         if opts.preload_pinned {
             if opts.background_pinned {
@@ -674,13 +689,16 @@ impl StreamedTrunk {
         for &l in &todo {
             let pl = &self.manifest.layers[l];
             let span = self.file.span(pl.offset, pl.size as usize);
-            let mut b = AlignedBuf::new(span.len).map_err(|e| {
+            let mut b = AlignedBuf::new_from(span.len, self.pages).map_err(|e| {
                 StreamError::Invalid(format!(
                     "cannot allocate the pinned buffer of layer {l} ({}): {e}",
                     fmt_bytes(pl.size)
                 ))
             })?;
             self.huge_pages |= b.huge_pages();
+            if b.hugetlb() {
+                self.stats.hugetlb_bytes += b.capacity() as u64;
+            }
             // A compressed layer lands at 0 (records are decoded in place).
             let lead = if self.manifest.compression.is_some() {
                 0
@@ -900,13 +918,25 @@ impl StreamedTrunk {
         let mut lines = self.plan.report_lines();
         let hit = lines.pop();
         lines.push(self.io_line());
+        let hugetlb = self.stats.hugetlb_bytes;
+        let pages = if hugetlb > 0 {
+            format!(
+                "{} on reserved 2 MB huge pages (the vm.nr_hugepages pool; not in the peak RSS)\
+                 {}",
+                fmt_bytes(hugetlb),
+                if hugetlb >= self.plan.planned_bytes() {
+                    ""
+                } else {
+                    ", the rest 2 MB transparent huge pages advised (the pool had no more room)"
+                }
+            )
+        } else if self.huge_pages {
+            "2 MB transparent huge pages advised".to_string()
+        } else {
+            "4 KB pages (huge pages not advised or not available for these sizes)".to_string()
+        };
         lines.push(format!(
-            "trunk buffers: {}; {}",
-            if self.huge_pages {
-                "2 MB transparent huge pages advised"
-            } else {
-                "4 KB pages (huge pages not advised or not available for these sizes)"
-            },
+            "trunk buffers: {pages}; {}",
             if self.plan.shared_ring_bytes > 0 {
                 "a reader thread reads the next layer into the shared ring's free end while a \
                  layer computes"
@@ -1162,11 +1192,15 @@ impl StreamedTrunk {
         let pl = &self.manifest.layers[layer];
         let span = self.file.span(pl.offset, pl.size as usize);
         let t0 = Instant::now();
-        let mut buf = AlignedBuf::new(span.len).map_err(|e| WeightError::Invalid {
-            name: format!("trunk layer {layer}"),
-            msg: format!("cannot allocate the pinned buffer: {e}"),
-        })?;
+        let mut buf =
+            AlignedBuf::new_from(span.len, self.pages).map_err(|e| WeightError::Invalid {
+                name: format!("trunk layer {layer}"),
+                msg: format!("cannot allocate the pinned buffer: {e}"),
+            })?;
         self.huge_pages |= buf.huge_pages();
+        if buf.hugetlb() {
+            self.stats.hugetlb_bytes += buf.capacity() as u64;
+        }
         let (lead, bytes) = read_packed(
             &self.pool,
             &self.file,

@@ -152,6 +152,9 @@ pub struct MemInfo {
     pub total: u64,
     pub available: u64,
     pub huge_page_size: u64,
+    /// Pages of the reserved huge-page pool (`vm.nr_hugepages`): total and free.
+    pub huge_pages_total: u64,
+    pub huge_pages_free: u64,
 }
 
 /// Parse /proc/meminfo text; `None` without `MemTotal` or `MemAvailable` (kernels < 3.14).
@@ -163,11 +166,59 @@ pub fn parse_meminfo(text: &str) -> Option<MemInfo> {
             Some(kb * 1024)
         })
     };
+    let count = |key: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
+            .unwrap_or(0)
+    };
     Some(MemInfo {
         total: field("MemTotal")?,
         available: field("MemAvailable")?,
         huge_page_size: field("Hugepagesize").unwrap_or(0),
+        huge_pages_total: count("HugePages_Total"),
+        huge_pages_free: count("HugePages_Free"),
     })
+}
+
+/// Whether a virtio balloon device is bound (a VM that may hand freed memory to its host).
+fn balloon_present() -> bool {
+    std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon")
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("virtio"))
+        })
+        .unwrap_or(false)
+}
+
+/// The doctor's line about the reserved huge-page pool: its size when there is one (2 MiB
+/// pages only: the size the engine maps), a hint when there is none on a VM with a balloon
+/// device, nothing otherwise.
+pub fn reserved_pool_line(m: &MemInfo, balloon: bool) -> Option<String> {
+    if m.huge_pages_total > 0 && m.huge_page_size == 2 << 20 {
+        Some(format!(
+            "memory     reserved huge pages (vm.nr_hugepages): {} free of {} ({} of {} of 2 MiB \
+             pages): the pinned prefix, ring slots and a resident arena take them first",
+            gb(m.huge_pages_free * m.huge_page_size),
+            gb(m.huge_pages_total * m.huge_page_size),
+            m.huge_pages_free,
+            m.huge_pages_total
+        ))
+    } else if m.huge_pages_total > 0 {
+        Some(format!(
+            "memory     reserved huge pages of {} KiB are not used (the engine maps 2 MiB pages)",
+            m.huge_page_size / 1024
+        ))
+    } else if balloon {
+        Some(
+            "memory     a virtio balloon is present: on a VM that reports free pages, a fresh \
+             pinned prefix loads at the rate the host backs memory; `sudo sysctl \
+             vm.nr_hugepages=N` (2 MiB each, the pinned prefix's size) keeps it backed \
+             (docs/STREAMING.md)"
+                .to_string(),
+        )
+    } else {
+        None
+    }
 }
 
 /// The memory cgroup of this process from /proc/self/cgroup text: (v2 path, v1 memory path).
@@ -852,6 +903,9 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         ),
         None => println!("memory     /proc/meminfo has no MemAvailable: cannot size a preset"),
     }
+    if let Some(line) = meminfo.and_then(|m| reserved_pool_line(&m, balloon_present())) {
+        println!("{line}");
+    }
     let preset = available.and_then(pick_preset);
     match (preset, available) {
         (Some(p), Some(av)) => {
@@ -1107,7 +1161,44 @@ mod tests {
         assert_eq!(m.total, 24_684_084 * 1024);
         assert_eq!(m.available, 23_231_456 * 1024);
         assert_eq!(m.huge_page_size, 2 << 20);
+        assert_eq!((m.huge_pages_total, m.huge_pages_free), (0, 0));
         assert_eq!(parse_meminfo("MemTotal: 1 kB\nMemFree: 1 kB\n"), None);
+        let pool = format!("{t}HugePages_Total:    1400\nHugePages_Free:     1200\n");
+        let m = parse_meminfo(&pool).expect("parses");
+        assert_eq!((m.huge_pages_total, m.huge_pages_free), (1400, 1200));
+    }
+
+    #[test]
+    fn reserved_pool_line_says_what_is_there() {
+        let m = MemInfo {
+            huge_page_size: 2 << 20,
+            huge_pages_total: 1400,
+            huge_pages_free: 1200,
+            ..MemInfo::default()
+        };
+        let l = reserved_pool_line(&m, true).expect("a pool");
+        assert!(l.contains("1200 of 1400"), "{l}");
+        assert!(l.contains(&gb(1200 * (2 << 20))), "{l}");
+        let none = MemInfo {
+            huge_pages_total: 0,
+            huge_pages_free: 0,
+            ..m
+        };
+        assert!(reserved_pool_line(&none, false).is_none());
+        assert!(
+            reserved_pool_line(&none, true)
+                .expect("hint")
+                .contains("vm.nr_hugepages")
+        );
+        let gig = MemInfo {
+            huge_page_size: 1 << 30,
+            ..m
+        };
+        assert!(
+            reserved_pool_line(&gig, true)
+                .expect("line")
+                .contains("not used")
+        );
     }
 
     #[test]

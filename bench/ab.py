@@ -8,7 +8,9 @@ Each variant is a label, optional environment assignments, the binary and its ow
 REPS rounds, the page cache dropped before each run (root; set AB_NODROP=1 to keep it warm).
 Prints each run's decode s/token (`seconds_per_token`), the expert read seconds and the first
 ids, then the median and minimum per variant. AB_FIELD=NAME reports another figure of the
-`--out` JSON instead (e.g. `first_token_seconds` for prompt passes). Python stdlib only.
+`--out` JSON instead (e.g. `first_token_seconds` for prompt passes). AB_SLEEP=S waits S seconds
+before each run (after the drop): on a VM with free page reporting, the memory the previous run
+freed is then handed back to the host, as for a run after idle time. Python stdlib only.
 """
 import json
 import os
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def main():
@@ -39,6 +42,7 @@ def main():
                     cmd.append(p)
             if not os.environ.get("AB_NODROP"):
                 subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
+            time.sleep(float(os.environ.get("AB_SLEEP", "0")))
             p = subprocess.run(cmd + args + ["--out", out], env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 print(label, "FAILED", p.returncode, p.stderr[-500:], flush=True)

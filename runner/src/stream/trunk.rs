@@ -163,8 +163,12 @@ struct LoadWork {
     layers: Vec<(usize, Place, usize)>,
     /// Read size of raw layers.
     piece: usize,
-    /// Populate the buffers ahead of the reads.
-    populate: bool,
+    /// Buffers (address, length) a helper populates ahead of the reads: the ones in fresh
+    /// anonymous memory. Not those on the reserved huge-page pool: the host keeps those backed,
+    /// so a reader's own fault only zeroes its page, and a helper faulting the same pages
+    /// competes with the readers (pinned load on the pool with / without it, 8 alternating
+    /// runs twice: 1.76 / 1.65 s and 1.84 / 1.75 s; docs/PERFORMANCE.md, sixteenth session).
+    populate: Vec<(usize, usize)>,
 }
 
 /// The load's thread: every piece (raw) or record (compressed) of the layers, in file order,
@@ -181,7 +185,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
         manifest,
         layers,
         piece,
-        populate,
+        populate: regions,
     } = work;
     // Build the jobs of every layer: (layer slot k, job).
     enum Job<'a> {
@@ -192,10 +196,6 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
         },
         Chunk(compress::ChunkJob<'a>),
     }
-    let regions: Vec<(usize, usize)> = layers
-        .iter()
-        .map(|(_, p, _)| (p.ptr as usize, p.len))
-        .collect();
     let align = file.offset_align();
     let mut jobs: Vec<(usize, Job<'_>)> = Vec::new();
     let mut disk = vec![0u64; layers.len()];
@@ -281,7 +281,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
     let ids: Vec<usize> = layers.iter().map(|(l, _, _)| *l).collect();
     let (remaining, failed, disk, ids) = (&remaining, &failed, &disk, &ids);
     std::thread::scope(|sc| {
-        if populate {
+        if !regions.is_empty() {
             let regions = &regions;
             let _ = std::thread::Builder::new()
                 .name("k3-pin-populate".to_string())
@@ -686,6 +686,7 @@ impl StreamedTrunk {
         }
         let started = Instant::now();
         let mut layers = Vec::with_capacity(todo.len());
+        let mut populate = Vec::new();
         for &l in &todo {
             let pl = &self.manifest.layers[l];
             let span = self.file.span(pl.offset, pl.size as usize);
@@ -705,7 +706,11 @@ impl StreamedTrunk {
             } else {
                 span.lead
             };
+            let on_pool = b.hugetlb();
             let full = b.full_mut();
+            if !on_pool {
+                populate.push((full.as_mut_ptr() as usize, full.len()));
+            }
             layers.push((
                 l,
                 Place {
@@ -723,7 +728,11 @@ impl StreamedTrunk {
             manifest: Arc::clone(&self.manifest),
             layers,
             piece,
-            populate: std::env::var_os("K3_NO_PIN_POPULATE").is_none(),
+            populate: if std::env::var_os("K3_NO_PIN_POPULATE").is_none() {
+                populate
+            } else {
+                Vec::new()
+            },
         };
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));

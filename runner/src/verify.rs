@@ -136,12 +136,7 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
         }
     }
     for name in out.keys() {
-        let plain = !name.is_empty()
-            && !name.contains('/')
-            && !name.contains('\\')
-            && name != "."
-            && name != "..";
-        if !plain {
+        if !checkpoint::is_plain_file_name(name) {
             return Err(bad(format!(
                 "{name:?} is not a plain file name in the checkpoint directory"
             )));

@@ -724,3 +724,55 @@ fn two_nan_scales_name_the_first_declared() {
         assert!(err.to_string().contains(&early.name), "{err}");
     }
 }
+
+/// The index's weight_map is parsed straight into names and shard files: keys with JSON
+/// escapes read as their text, and a value that is not a plain file name in the checkpoint
+/// directory (a path, `..`, a number) is refused naming the tensor, the first in file order.
+#[test]
+fn index_names_unescape_and_non_plain_files_are_refused_by_name() {
+    use k3_run::checkpoint::{is_plain_file_name, read_index_with_total};
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("model.safetensors.index.json");
+    let write = |text: &str| std::fs::write(&path, text).unwrap();
+
+    write(
+        r#"{"metadata": {"total_size": 12}, "weight_map": {"a\u002eb": "s1.safetensors",
+            "plain": "s1.safetensors", "q\"uote": "s2.safetensors"}}"#,
+    );
+    let (map, total) = read_index_with_total(&path).expect("valid index");
+    assert_eq!(total, Some(12));
+    let got: Vec<(&str, &str)> = map.iter().collect();
+    assert_eq!(
+        got,
+        [
+            ("a.b", "s1.safetensors"),
+            ("plain", "s1.safetensors"),
+            ("q\"uote", "s2.safetensors")
+        ]
+    );
+
+    for (value, shown) in [
+        (r#""../s1.safetensors""#, "../s1.safetensors"),
+        (r#""sub/s1.safetensors""#, "sub/s1.safetensors"),
+        (r#""..""#, "\"..\""),
+        ("7", "not a string"),
+    ] {
+        write(&format!(
+            r#"{{"weight_map": {{"ok": "s1.safetensors", "bad.one": {value}, "bad.two": 3}}}}"#
+        ));
+        let e = read_index_with_total(&path).expect_err(value).to_string();
+        assert!(e.contains("bad.one") && e.contains(shown), "{value}: {e}");
+        assert!(!e.contains("bad.two"), "the first bad entry is named: {e}");
+    }
+
+    for name in [
+        "s1.safetensors",
+        "model-00001-of-00093.safetensors",
+        ".hidden",
+    ] {
+        assert!(is_plain_file_name(name), "{name}");
+    }
+    for name in ["", ".", "..", "a/b", "a\\b", "/abs"] {
+        assert!(!is_plain_file_name(name), "{name:?}");
+    }
+}

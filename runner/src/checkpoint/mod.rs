@@ -42,6 +42,12 @@ use std::path::{Path, PathBuf};
 use k3_models::spec::{DType, ModelSpec, Shape, TensorDecl, TensorRole};
 use memmap2::Mmap;
 
+/// A shard name an index or manifest may point at: a file directly in the checkpoint
+/// directory (not empty, no path separator, not `.` or `..`).
+pub fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != ".."
+}
+
 pub use error::CheckpointError;
 pub use header::{HeaderEntry, MAX_HEADER_BYTES, ShardHeader};
 
@@ -347,30 +353,8 @@ fn read_index_map(index: &Path) -> Result<(IndexMap, Option<u64>), CheckpointErr
     /// The names and files, built during the parse (no list of them all in between), or the
     /// message for the first entry in file order whose value is not a plain file name.
     struct WeightMap(Result<IndexMap, String>);
-    /// A string borrowed from the text when it can be, else owned.
-    struct Str<'a>(Cow<'a, str>);
-    struct StrVisitor;
-    impl<'de> serde::de::Visitor<'de> for StrVisitor {
-        type Value = Str<'de>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a string")
-        }
-        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Str<'de>, E> {
-            Ok(Str(Cow::Borrowed(v)))
-        }
-        fn visit_str<E>(self, v: &str) -> Result<Str<'de>, E> {
-            Ok(Str(Cow::Owned(v.to_string())))
-        }
-        fn visit_string<E>(self, v: String) -> Result<Str<'de>, E> {
-            Ok(Str(Cow::Owned(v)))
-        }
-    }
-    impl<'de: 'a, 'a> serde::Deserialize<'de> for Str<'a> {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_str(StrVisitor)
-        }
-    }
-    /// A value: `Some` string, `None` for anything else (consumed).
+    /// A value (or a key): `Some` string, borrowed from the text when it holds no escapes,
+    /// `None` for anything else (consumed).
     struct File<'a>(Option<Cow<'a, str>>);
     struct FileVisitor;
     impl<'de> serde::de::Visitor<'de> for FileVisitor {
@@ -443,7 +427,11 @@ fn read_index_map(index: &Path) -> Result<(IndexMap, Option<u64>), CheckpointErr
                     // file.
                     let mut file_ids: hashbrown::HashMap<String, u32> = hashbrown::HashMap::new();
                     let mut last: Option<u32> = None;
-                    while let Some(Str(name)) = map.next_key::<Str<'de>>()? {
+                    while let Some(File(name)) = map.next_key::<File<'de>>()? {
+                        // JSON object keys are always strings
+                        let name = name.ok_or_else(|| {
+                            <A::Error as serde::de::Error>::custom("a key that is not a string")
+                        })?;
                         // A value that is not a plain file name is refused by name once the
                         // whole text has parsed (a syntax error anywhere is reported first).
                         let File(file) = map.next_value::<File<'de>>()?;
@@ -457,12 +445,7 @@ fn read_index_map(index: &Path) -> Result<(IndexMap, Option<u64>), CheckpointErr
                         let id = match last {
                             Some(id) if out.files[id as usize] == file => id,
                             _ => {
-                                let plain = !file.is_empty()
-                                    && !file.contains('/')
-                                    && !file.contains('\\')
-                                    && file != "."
-                                    && file != "..";
-                                if !plain {
+                                if !is_plain_file_name(&file) {
                                     first_bad = Some(format!(
                                         "weight_map[{name:?}] = {file:?} is not a plain file name in the checkpoint directory"
                                     ));

@@ -249,20 +249,28 @@ struct Binder<'c> {
 
 impl<'c> Binder<'c> {
     fn bind(&self, i: usize) -> Result<Src<'c>, WeightError> {
+        self.bind_mapped(i, false)
+    }
+
+    /// [`Binder::bind`]; with `random`, a tensor left on the maps is bound through the
+    /// checkpoint's `MADV_RANDOM` mapping ([`Checkpoint::try_bytes_random`]).
+    fn bind_mapped(&self, i: usize, random: bool) -> Result<Src<'c>, WeightError> {
         if let Some(s) = self.arena.as_ref().and_then(|a| a.get(i)) {
             return Ok(Src::Arena(s));
         }
         let decl = &self.spec.tensors[i];
-        let bytes = self
-            .ckpt
-            .try_bytes(&decl.name)
-            .ok_or_else(|| WeightError::Invalid {
-                name: decl.name.clone(),
-                msg: format!(
-                    "not present in the checkpoint at {}",
-                    self.ckpt.dir().display()
-                ),
-            })?;
+        let bytes = if random {
+            self.ckpt.try_bytes_random(&decl.name)
+        } else {
+            self.ckpt.try_bytes(&decl.name)
+        };
+        let bytes = bytes.ok_or_else(|| WeightError::Invalid {
+            name: decl.name.clone(),
+            msg: format!(
+                "not present in the checkpoint at {}",
+                self.ckpt.dir().display()
+            ),
+        })?;
         Ok(Src::Mapped(bytes))
     }
 }
@@ -283,7 +291,14 @@ pub struct ResidentTrunk<'c> {
     layers: Vec<Vec<(&'c TensorDecl, Src<'c>)>>,
     arena: Option<Arc<ResidentArena>>,
     stats: TrunkStats,
+    /// `advised[layer]`: its mapped tensors were given `MADV_WILLNEED` (on the first pass
+    /// only: the advice walks the page cache, too slow to repeat every token).
+    advised: Vec<bool>,
 }
+
+/// Layers past the requested one whose mapped tensors [`ResidentTrunk`] advises on the first
+/// pass: their reads run while this layer computes.
+const TRUNK_ADVISE_AHEAD: usize = 2;
 
 impl<'c> ResidentTrunk<'c> {
     /// Served from `arena` for the tensors it holds, the rest (everything with `None`) from
@@ -316,10 +331,33 @@ impl<'c> ResidentTrunk<'c> {
             ..TrunkStats::default()
         };
         Ok(ResidentTrunk {
+            advised: vec![false; layers.len()],
             layers,
             arena: b.arena,
             stats,
         })
+    }
+
+    /// On the first pass, ask the kernel to read layer `layer` and the next
+    /// [`TRUNK_ADVISE_AHEAD`] layers (cyclically) from the maps: whole tensors in large
+    /// requests, ahead of the compute, instead of a fault at a time, whose read-around window
+    /// also pulls in the routed experts stored next to the layer. Tensors in the arena need
+    /// nothing.
+    fn advise(&mut self, layer: usize) {
+        let n = self.layers.len();
+        for l in (0..=TRUNK_ADVISE_AHEAD).map(|d| (layer + d) % n.max(1)) {
+            let Some(done) = self.advised.get_mut(l) else {
+                return;
+            };
+            if std::mem::replace(done, true) {
+                continue;
+            }
+            for (_, src) in &self.layers[l] {
+                if let Src::Mapped(b) = src {
+                    crate::checkpoint::advise_willneed(b);
+                }
+            }
+        }
     }
 }
 
@@ -346,6 +384,7 @@ impl ResidentTrunk<'_> {
 
 impl TrunkSource for ResidentTrunk<'_> {
     fn layer(&mut self, layer: usize) -> Result<LayerWeights<'_>, WeightError> {
+        self.advise(layer);
         self.view_of(layer)
     }
     fn layer_and_peek(
@@ -353,6 +392,7 @@ impl TrunkSource for ResidentTrunk<'_> {
         layer: usize,
         peek: usize,
     ) -> Result<(LayerWeights<'_>, Option<LayerWeights<'_>>), WeightError> {
+        self.advise(layer);
         Ok((self.view_of(layer)?, self.view_of(peek).ok()))
     }
     fn stats(&self) -> TrunkStats {
@@ -371,6 +411,9 @@ type ExpertSlots<'c> = [Option<Src<'c>>; 6];
 pub struct ResidentExperts<'c> {
     /// `index[layer]`: that layer's experts by id (empty for layers without routed experts).
     index: Vec<Vec<ExpertSlots<'c>>>,
+    /// `advised[layer][expert]`: its mapped tensors were given `MADV_WILLNEED` (once per
+    /// expert: the advice walks the page cache, too slow to repeat every token).
+    advised: Vec<Vec<bool>>,
     /// First tensor that could not be bound, reported on the first request for it.
     unbound: Vec<((usize, usize), String)>,
     arena: Option<Arc<ResidentArena>>,
@@ -412,13 +455,17 @@ impl<'c> ResidentExperts<'c> {
             if experts.len() <= e {
                 experts.resize(e + 1, [None; 6]);
             }
-            match b.bind(i) {
+            // Through the MADV_RANDOM mapping: a fault reads what the expert needs, not the
+            // read-around window of its neighbours; `experts` advises each expert's pages.
+            match b.bind_mapped(i, true) {
                 Ok(src) => experts[e][r] = Some(src),
                 Err(err) => unbound.push(((l, e), err.to_string())),
             }
         }
+        let advised = index.iter().map(|x| vec![false; x.len()]).collect();
         ResidentExperts {
             index,
+            advised,
             unbound,
             arena: b.arena,
             stats: ExpertStats::default(),
@@ -433,6 +480,29 @@ impl<'c> ResidentExperts<'c> {
     /// routing does not depend on where the experts live).
     pub fn enable_trace(&mut self) {
         self.trace.get_or_insert_with(Vec::new);
+    }
+
+    /// Ask the kernel to read the mapped tensors of the experts in `ids` not advised before,
+    /// all of them before the first fault: their reads are then in flight together instead
+    /// of one page fault at a time. Experts in the arena need nothing.
+    fn advise(&mut self, layer: usize, ids: &[u32]) {
+        let (Some(slots), Some(done)) = (self.index.get(layer), self.advised.get_mut(layer)) else {
+            return;
+        };
+        for &e in ids {
+            let e = e as usize;
+            let (Some(s), Some(d)) = (slots.get(e), done.get_mut(e)) else {
+                continue; // reported by `one`
+            };
+            if std::mem::replace(d, true) {
+                continue;
+            }
+            for src in s.iter().flatten() {
+                if let Src::Mapped(b) = src {
+                    crate::checkpoint::advise_willneed(b);
+                }
+            }
+        }
     }
 
     fn one(&self, layer: usize, e: usize) -> Result<ExpertWeights<'_>, WeightError> {
@@ -502,6 +572,7 @@ impl ExpertSource for ResidentExperts<'_> {
         self.stats.requests += ids.len() as u64;
         self.stats.hits += ids.len() as u64;
         self.stats.resident_hits += ids.len() as u64;
+        self.advise(layer, ids);
         let mut out = Vec::with_capacity(ids.len());
         for &e in ids {
             out.push(self.one(layer, e as usize)?);

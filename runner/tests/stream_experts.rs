@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 
 use k3_models::spec::{ModelSpec, TensorRole};
 use k3_run::checkpoint::Checkpoint;
+use k3_run::resident::ResidentExperts;
 use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
 use k3_run::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
 use k3_run::weights::{ExpertSource, ExpertWeights, WeightError};
@@ -281,4 +282,46 @@ fn io_uring_pool_serves_the_same_experts() {
         req(&mut c, &spec, &ck, layer, &[0, 2, 7, 11, 15]);
     }
     assert_eq!(c.stats().misses, 15);
+}
+
+/// The resident provider on the memory maps serves the routed experts through the
+/// checkpoint's second, `MADV_RANDOM` mapping (pages advised on an expert's first request):
+/// every expert's views are the checkpoint's exact bytes on the first request (advice) and the
+/// second (none), and the second mapping is a distinct mapping that agrees with the ordinary
+/// one for every tensor.
+#[test]
+fn resident_maps_serve_exact_bytes_through_the_random_mapping() {
+    let dir = test_dir("resident_random_maps");
+    let (model, spec) = synth_tiny(&dir, 41);
+    let ck = open_ckpt(&model, &spec);
+    for name in ck.tensor_names() {
+        let (plain, random) = (ck.try_bytes(name), ck.try_bytes_random(name));
+        assert!(plain == random, "{name}: the two mappings differ");
+        let (plain, random) = (plain.expect("in checkpoint"), random.expect("mapped"));
+        if !plain.is_empty() {
+            assert_ne!(plain.as_ptr(), random.as_ptr(), "{name}: no second mapping");
+        }
+    }
+    let n = spec
+        .moe
+        .as_ref()
+        .expect("tiny has routed experts")
+        .n_experts;
+    let all: Vec<u32> = (0..n as u32).collect();
+    let mut r = ResidentExperts::new(&spec, &ck);
+    let mut layers = 0;
+    for layer in 0..spec.n_layers {
+        if spec
+            .tensor(TensorRole::ExpertW1Packed, Some(layer), Some(0))
+            .is_none()
+        {
+            continue; // a dense layer
+        }
+        layers += 1;
+        for ids in [&all[..2], &all[..], &all[1..3]] {
+            let got = r.experts(layer, ids).expect("resident experts");
+            check_bytes(&spec, &ck, layer, &got, ids);
+        }
+    }
+    assert!(layers > 0, "tiny has MoE layers");
 }

@@ -602,24 +602,27 @@ impl<'c> ResidentGlobal<'c> {
         arena: Option<Arc<ResidentArena>>,
     ) -> Result<Self, WeightError> {
         let b = Binder { spec, ckpt, arena };
-        let find = |role: TensorRole| -> Result<(&'c TensorDecl, Src<'c>), WeightError> {
-            let i = spec
-                .tensors
-                .iter()
-                .position(|t| t.role == role && t.layer.is_none() && t.expert.is_none())
-                .ok_or_else(|| WeightError::Invalid {
-                    name: format!("{role:?}"),
-                    msg: "not declared by the model spec".into(),
-                })?;
-            Ok((&spec.tensors[i], b.bind(i)?))
-        };
-        let mut small = vec![find(TensorRole::FinalNorm)?];
+        let find =
+            |role: TensorRole, random: bool| -> Result<(&'c TensorDecl, Src<'c>), WeightError> {
+                let i = spec
+                    .tensors
+                    .iter()
+                    .position(|t| t.role == role && t.layer.is_none() && t.expert.is_none())
+                    .ok_or_else(|| WeightError::Invalid {
+                        name: format!("{role:?}"),
+                        msg: "not declared by the model spec".into(),
+                    })?;
+                Ok((&spec.tensors[i], b.bind_mapped(i, random)?))
+            };
+        let mut small = vec![find(TensorRole::FinalNorm, false)?];
         if spec.attn_res.is_some() {
-            small.push(find(TensorRole::OutputResProj)?);
-            small.push(find(TensorRole::OutputResNorm)?);
+            small.push(find(TensorRole::OutputResProj, false)?);
+            small.push(find(TensorRole::OutputResNorm, false)?);
         }
-        let embed = find(TensorRole::Embed)?;
-        let lm_head = find(TensorRole::LmHead)?;
+        // The embedding is read a row at a time: through the MADV_RANDOM mapping (a fault
+        // there does not read the 8 MiB around the row), each row advised before it is read.
+        let embed = find(TensorRole::Embed, true)?;
+        let lm_head = find(TensorRole::LmHead, false)?;
         Ok(ResidentGlobal {
             embed,
             lm_head,
@@ -641,6 +644,10 @@ impl GlobalSource for ResidentGlobal<'_> {
                 name: decl.name.clone(),
                 msg: format!("token {token} is past the end of the embedding"),
             })?;
+        if let Src::Mapped(_) = src {
+            // One read of the row's pages instead of a fault per page.
+            crate::checkpoint::advise_willneed(bytes);
+        }
         crate::weights::widen_bf16_le(bytes, out);
         Ok(())
     }

@@ -412,6 +412,31 @@ fn tensor_in_index_but_not_in_shard() {
     assert_names(&err, &path, Some(Q0));
 }
 
+/// A tensor name from the checkpoint's JSON is shown escaped when it holds a control
+/// character: an index key `lang\u0000uage` must not put a raw NUL on the terminal. A plain
+/// name is shown as written (the other tests).
+#[test]
+fn a_name_with_a_control_character_is_shown_escaped() {
+    let f = fixture();
+    let mut idx = f.index();
+    let file = idx["weight_map"][Q0].clone();
+    let path = f.dir.join(file.as_str().unwrap());
+    idx["weight_map"]["lang\u{0}uage\u{1b}[2J"] = file;
+    f.write_index(&idx);
+    let err = f.open().unwrap_err();
+    assert!(matches!(err, CheckpointError::NotInShard { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        !msg.chars().any(char::is_control),
+        "raw control characters in: {msg:?}"
+    );
+    assert!(
+        msg.contains(r#""lang\0uage\u{1b}[2J""#),
+        "the name, quoted with escapes: {msg}"
+    );
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
+}
+
 #[test]
 fn no_checkpoint_at_all() {
     let tmp = tempfile::tempdir().unwrap();

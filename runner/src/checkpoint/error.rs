@@ -7,6 +7,21 @@
 
 use std::path::PathBuf;
 
+/// A tensor name as an error message shows it: as written when it has no control character,
+/// else quoted with escapes (names come from the checkpoint's own JSON, and a `\u0000` in one
+/// must not put a raw NUL or escape sequence on the terminal).
+pub struct Shown<'a>(pub &'a str);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.chars().any(char::is_control) {
+            write!(f, "{:?}", self.0)
+        } else {
+            f.write_str(self.0)
+        }
+    }
+}
+
 /// Why a checkpoint cannot be opened or a tensor cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -37,7 +52,7 @@ pub enum CheckpointError {
     /// The index maps tensors to a shard file that does not exist (nothing at the path).
     #[error(
         "{}: shard file is missing; the index {} maps {n_tensors} tensor(s) to it, e.g. tensor {tensor}",
-        file.display(), index.display()
+        file.display(), index.display(), tensor = Shown(.tensor)
     )]
     MissingShard {
         file: PathBuf,
@@ -50,7 +65,7 @@ pub enum CheckpointError {
     /// device, a FIFO, a symlink loop or a symlink to nothing) or cannot be examined.
     #[error(
         "{}: shard {what}; the index {} maps {n_tensors} tensor(s) to it, e.g. tensor {tensor}",
-        file.display(), index.display()
+        file.display(), index.display(), tensor = Shown(.tensor)
     )]
     ShardNotRegular {
         file: PathBuf,
@@ -79,7 +94,7 @@ pub enum CheckpointError {
     HeaderJson { file: PathBuf, msg: String },
 
     /// One header entry is malformed (dtype unknown, shape or data_offsets not integers, ...).
-    #[error("{}: header entry for tensor {tensor} is malformed: {msg}", file.display())]
+    #[error("{}: header entry for tensor {tensor} is malformed: {msg}", file.display(), tensor = Shown(.tensor))]
     HeaderEntry {
         file: PathBuf,
         tensor: String,
@@ -90,7 +105,7 @@ pub enum CheckpointError {
     #[error(
         "{}: tensor {tensor}: data_offsets [{begin}, {end}) do not match its dtype and shape \
          ({dtype} {shape:?} needs {expected_bytes} bytes)",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     DataSize {
         file: PathBuf,
@@ -107,7 +122,7 @@ pub enum CheckpointError {
     #[error(
         "{}: tensor {tensor}: data_offsets [{begin}, {end}) are out of range: the data section \
          holds {data_len} bytes",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     OffsetsOutOfRange {
         file: PathBuf,
@@ -118,7 +133,7 @@ pub enum CheckpointError {
     },
 
     /// Two tensors claim the same bytes.
-    #[error("{}: tensors {tensor} and {other} overlap in the data section", file.display())]
+    #[error("{}: tensors {tensor} and {other} overlap in the data section", file.display(), tensor = Shown(.tensor), other = Shown(.other))]
     OffsetsOverlap {
         file: PathBuf,
         tensor: String,
@@ -129,7 +144,7 @@ pub enum CheckpointError {
     #[error(
         "{}: truncated shard: the header describes {expected_len} bytes but the file has \
          {actual_len}; tensor {tensor} is cut off",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     Truncated {
         file: PathBuf,
@@ -141,7 +156,7 @@ pub enum CheckpointError {
     /// A shard holds a tensor the index does not map to it.
     #[error(
         "{}: tensor {tensor} is in this shard but the index {} does not map it here",
-        file.display(), index.display()
+        file.display(), index.display(), tensor = Shown(.tensor)
     )]
     NotInIndex {
         file: PathBuf,
@@ -152,7 +167,7 @@ pub enum CheckpointError {
     /// The index maps a tensor to a shard whose header does not contain it.
     #[error(
         "{}: tensor {tensor} is mapped to this shard by the index {} but the shard does not contain it",
-        file.display(), index.display()
+        file.display(), index.display(), tensor = Shown(.tensor)
     )]
     NotInShard {
         file: PathBuf,
@@ -163,7 +178,7 @@ pub enum CheckpointError {
     /// A tensor the model needs is absent from every shard.
     #[error(
         "{}: tensor {tensor} required by model {model} is missing ({more} more missing)",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     MissingTensor {
         file: PathBuf,
@@ -175,7 +190,7 @@ pub enum CheckpointError {
     /// A tensor under the model's namespace that the model does not declare.
     #[error(
         "{}: unexpected tensor {tensor}: not part of model {model} ({more} more unexpected)",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     UnexpectedTensor {
         file: PathBuf,
@@ -185,7 +200,7 @@ pub enum CheckpointError {
     },
 
     /// Stored dtype differs from the declared one.
-    #[error("{}: tensor {tensor} has dtype {found}, the model declares {expected}", file.display())]
+    #[error("{}: tensor {tensor} has dtype {found}, the model declares {expected}", file.display(), tensor = Shown(.tensor))]
     WrongDtype {
         file: PathBuf,
         tensor: String,
@@ -194,7 +209,7 @@ pub enum CheckpointError {
     },
 
     /// Stored shape differs from the declared one.
-    #[error("{}: tensor {tensor} has shape {found:?}, the model declares {expected:?}", file.display())]
+    #[error("{}: tensor {tensor} has shape {found:?}, the model declares {expected:?}", file.display(), tensor = Shown(.tensor))]
     WrongShape {
         file: PathBuf,
         tensor: String,
@@ -207,7 +222,7 @@ pub enum CheckpointError {
         "{}: tensor {tensor} has shape {found:?}: A_log needs one entry per KDA head \
          (linear_attn_config.num_heads = {n_heads}), zero padding after them allowed, \
          stored like {expected:?}",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     ALogShape {
         file: PathBuf,
@@ -220,7 +235,7 @@ pub enum CheckpointError {
     /// An E8M0 scale byte is 0xFF (NaN in OCP MX v1.0).
     #[error(
         "{}: tensor {tensor}: E8M0 scale byte 0xFF (NaN) at element {index}; rejected",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     E8m0Nan {
         file: PathBuf,
@@ -231,7 +246,7 @@ pub enum CheckpointError {
     /// A KDA `A_log` padding entry (index >= n_heads) is not zero.
     #[error(
         "{}: tensor {tensor}: A_log padding entry {index} (n_heads = {n_heads}) is {value}, must be 0",
-        file.display()
+        file.display(), tensor = Shown(.tensor)
     )]
     ALogPadding {
         file: PathBuf,
@@ -242,7 +257,7 @@ pub enum CheckpointError {
     },
 
     /// A range of tensors that must be contiguous in one shard is not.
-    #[error("{}: tensors {tensor} .. {other} are not one contiguous range: {msg}", file.display())]
+    #[error("{}: tensors {tensor} .. {other} are not one contiguous range: {msg}", file.display(), tensor = Shown(.tensor), other = Shown(.other))]
     NotContiguous {
         file: PathBuf,
         tensor: String,
@@ -251,6 +266,6 @@ pub enum CheckpointError {
     },
 
     /// A tensor was requested that this checkpoint does not hold.
-    #[error("{}: tensor {tensor} is not in this checkpoint", file.display())]
+    #[error("{}: tensor {tensor} is not in this checkpoint", file.display(), tensor = Shown(.tensor))]
     UnknownTensor { file: PathBuf, tensor: String },
 }

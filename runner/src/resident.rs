@@ -249,28 +249,20 @@ struct Binder<'c> {
 
 impl<'c> Binder<'c> {
     fn bind(&self, i: usize) -> Result<Src<'c>, WeightError> {
-        self.bind_mapped(i, false)
-    }
-
-    /// [`Binder::bind`]; with `random`, a tensor left on the maps is bound through the
-    /// checkpoint's `MADV_RANDOM` mapping ([`Checkpoint::try_bytes_random`]).
-    fn bind_mapped(&self, i: usize, random: bool) -> Result<Src<'c>, WeightError> {
         if let Some(s) = self.arena.as_ref().and_then(|a| a.get(i)) {
             return Ok(Src::Arena(s));
         }
         let decl = &self.spec.tensors[i];
-        let bytes = if random {
-            self.ckpt.try_bytes_random(&decl.name)
-        } else {
-            self.ckpt.try_bytes(&decl.name)
-        };
-        let bytes = bytes.ok_or_else(|| WeightError::Invalid {
-            name: decl.name.clone(),
-            msg: format!(
-                "not present in the checkpoint at {}",
-                self.ckpt.dir().display()
-            ),
-        })?;
+        let bytes = self
+            .ckpt
+            .try_bytes(&decl.name)
+            .ok_or_else(|| WeightError::Invalid {
+                name: decl.name.clone(),
+                msg: format!(
+                    "not present in the checkpoint at {}",
+                    self.ckpt.dir().display()
+                ),
+            })?;
         Ok(Src::Mapped(bytes))
     }
 }
@@ -455,9 +447,7 @@ impl<'c> ResidentExperts<'c> {
             if experts.len() <= e {
                 experts.resize(e + 1, [None; 6]);
             }
-            // Through the MADV_RANDOM mapping: a fault reads what the expert needs, not the
-            // read-around window of its neighbours; `experts` advises each expert's pages.
-            match b.bind_mapped(i, true) {
+            match b.bind(i) {
                 Ok(src) => experts[e][r] = Some(src),
                 Err(err) => unbound.push(((l, e), err.to_string())),
             }
@@ -602,27 +592,24 @@ impl<'c> ResidentGlobal<'c> {
         arena: Option<Arc<ResidentArena>>,
     ) -> Result<Self, WeightError> {
         let b = Binder { spec, ckpt, arena };
-        let find =
-            |role: TensorRole, random: bool| -> Result<(&'c TensorDecl, Src<'c>), WeightError> {
-                let i = spec
-                    .tensors
-                    .iter()
-                    .position(|t| t.role == role && t.layer.is_none() && t.expert.is_none())
-                    .ok_or_else(|| WeightError::Invalid {
-                        name: format!("{role:?}"),
-                        msg: "not declared by the model spec".into(),
-                    })?;
-                Ok((&spec.tensors[i], b.bind_mapped(i, random)?))
-            };
-        let mut small = vec![find(TensorRole::FinalNorm, false)?];
+        let find = |role: TensorRole| -> Result<(&'c TensorDecl, Src<'c>), WeightError> {
+            let i = spec
+                .tensors
+                .iter()
+                .position(|t| t.role == role && t.layer.is_none() && t.expert.is_none())
+                .ok_or_else(|| WeightError::Invalid {
+                    name: format!("{role:?}"),
+                    msg: "not declared by the model spec".into(),
+                })?;
+            Ok((&spec.tensors[i], b.bind(i)?))
+        };
+        let mut small = vec![find(TensorRole::FinalNorm)?];
         if spec.attn_res.is_some() {
-            small.push(find(TensorRole::OutputResProj, false)?);
-            small.push(find(TensorRole::OutputResNorm, false)?);
+            small.push(find(TensorRole::OutputResProj)?);
+            small.push(find(TensorRole::OutputResNorm)?);
         }
-        // The embedding is read a row at a time: through the MADV_RANDOM mapping (a fault
-        // there does not read the 8 MiB around the row), each row advised before it is read.
-        let embed = find(TensorRole::Embed, true)?;
-        let lm_head = find(TensorRole::LmHead, false)?;
+        let embed = find(TensorRole::Embed)?;
+        let lm_head = find(TensorRole::LmHead)?;
         Ok(ResidentGlobal {
             embed,
             lm_head,
@@ -645,7 +632,7 @@ impl GlobalSource for ResidentGlobal<'_> {
                 msg: format!("token {token} is past the end of the embedding"),
             })?;
         if let Src::Mapped(_) = src {
-            // One read of the row's pages instead of a fault per page.
+            // Read the row alone: a fault on it would read the window around it (8 MiB here).
             crate::checkpoint::advise_willneed(bytes);
         }
         crate::weights::widen_bf16_le(bytes, out);

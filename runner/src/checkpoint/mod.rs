@@ -258,9 +258,6 @@ pub struct Checkpoint {
     table: Table,
     /// Every routed-expert scale was checked at open ([`OpenOptions::validate_expert_scales`]).
     scales_checked: bool,
-    /// A second mapping of each shard advised `MADV_RANDOM`, built on first use
-    /// ([`Checkpoint::try_bytes_random`]); `None` in a slot whose mapping failed.
-    random_maps: std::sync::OnceLock<Vec<Option<Mmap>>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -543,10 +540,11 @@ fn shard_kind(path: &Path) -> ShardKind {
 pub use k3_models::load::describe_file_type;
 
 /// `madvise(MADV_WILLNEED)` over the pages of `bytes`, a slice of a checkpoint mapping
-/// ([`Checkpoint::try_bytes`], [`Checkpoint::try_bytes_random`]): the kernel starts reading
-/// the ones not in the page cache and returns without waiting, so several tensors' reads are
-/// in flight together before the first fault on them. Advice only: never changes the bytes,
-/// and a refusal is ignored.
+/// ([`Checkpoint::try_bytes`]): the kernel starts reading the ones not in the page cache and
+/// returns without waiting, so several tensors' reads are in flight together before the first
+/// fault on them, and a fault on a page already read or in flight does not read the kernel's
+/// read-around window (the device's `read_ahead_kb`, often several MiB) around it. Advice
+/// only: never changes the bytes, and a refusal is ignored.
 pub fn advise_willneed(bytes: &[u8]) {
     if bytes.is_empty() {
         return;
@@ -812,7 +810,6 @@ impl Checkpoint {
             shards,
             table,
             scales_checked: false,
-            random_maps: std::sync::OnceLock::new(),
         })
     }
 
@@ -1226,39 +1223,6 @@ impl Checkpoint {
         let start = usize::try_from(s.data_start + e.begin).ok()?;
         let end = usize::try_from(s.data_start + e.end).ok()?;
         s.mmap.get(start..end)
-    }
-
-    /// [`Checkpoint::try_bytes`] through a second mapping of the shard advised `MADV_RANDOM`:
-    /// a page fault there reads that page only, not the kernel's read-around window (the
-    /// device's `read_ahead_kb`, often several MiB). For tensors read in small scattered
-    /// pieces (routed experts: a resident run touches the experts its tokens route to, and a
-    /// fault on one through the ordinary mapping reads the neighbours too); the caller asks for
-    /// the bytes it needs with [`advise_willneed`]. The page cache is shared with the ordinary
-    /// mapping. Falls back to the ordinary mapping when the second one cannot be made.
-    pub fn try_bytes_random(&self, name: &str) -> Option<&[u8]> {
-        let e = self.table.get(name)?;
-        let s = &self.shards[e.shard()];
-        let maps = self.random_maps.get_or_init(|| {
-            self.shards
-                .iter()
-                .map(|s| {
-                    let f = File::open(&s.path).ok()?;
-                    // SAFETY: as in `map_shard`: read-only, private, and the shard files are
-                    // not modified while the checkpoint is open. Slices are bounds-checked.
-                    let m = unsafe { Mmap::map(&f) }.ok()?;
-                    if (m.len() as u64) < s.file_len {
-                        return None; // changed on disk since open: keep the ordinary map
-                    }
-                    // Advice only; a refusal leaves an ordinary mapping.
-                    let _ = m.advise(memmap2::Advice::Random);
-                    Some(m)
-                })
-                .collect()
-        });
-        let map = maps[e.shard()].as_ref().unwrap_or(&s.mmap);
-        let start = usize::try_from(s.data_start + e.begin).ok()?;
-        let end = usize::try_from(s.data_start + e.end).ok()?;
-        map.get(start..end)
     }
 
     /// The raw bytes of a declared tensor.

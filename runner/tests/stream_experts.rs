@@ -293,7 +293,11 @@ fn without(spec: &ModelSpec, cut: impl Fn(&TensorDecl) -> bool) -> ModelSpec {
 
 fn expect_undeclared(c: &mut ExpertCache<'_>, layer: usize, id: u32) {
     match c.experts(layer, &[id]) {
-        Err(WeightError::Expert { layer: l, expert, msg }) => {
+        Err(WeightError::Expert {
+            layer: l,
+            expert,
+            msg,
+        }) => {
             assert_eq!((l, expert), (layer, id as usize));
             assert!(msg.contains("is not declared by the model"), "{msg}");
         }
@@ -334,6 +338,14 @@ fn sparse_ids_and_short_layers_are_absent_not_misread() {
     c.prefetch(4, &[12, 1]);
     req(&mut c, &cut, &ck, 4, &[1]);
     expect_undeclared(&mut c, 4, 12);
+    drop(c);
+    // No routed experts at all (and no MoE section): an empty store.
+    let mut none = without(&spec, |d| d.expert.is_some());
+    none.moe = None;
+    let mut c = ExpertCache::new(&none, &ck, &opts).expect("an empty store");
+    assert_eq!(c.store().n_experts(), 0);
+    assert!(c.store().io_line().contains("no routed experts"));
+    expect_undeclared(&mut c, 1, 0);
 }
 
 #[test]

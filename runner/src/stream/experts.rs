@@ -346,14 +346,15 @@ impl<'c> ExpertStore<'c> {
             })
         };
         let n_experts = spec.moe.as_ref().map_or(0, |m| m.n_experts);
+        // Layers up to the last one with routed experts (lookups past it find nothing).
         let mut n_tensors = 0usize;
-        let mut n_layers = spec.n_layers;
+        let mut n_layers = 0usize;
         for (_, layer, _, _) in expert_tensors() {
             n_tensors += 1;
             n_layers = n_layers.max(layer.saturating_add(1));
         }
-        // The spec's grid, or one slot per declared expert tensor if ids lie outside it: the
-        // table never outgrows the spec itself, however sparse a hand-made spec's ids are.
+        // At most the spec's grid, or one slot per declared expert tensor if ids lie outside
+        // it: the table never outgrows the spec itself, however sparse a hand-made spec's ids.
         let limit = spec.n_layers.saturating_mul(n_experts).max(n_tensors);
         let out_of_range = || {
             let (i, layer, expert, _) = expert_tensors()
@@ -365,7 +366,7 @@ impl<'c> ExpertStore<'c> {
                 spec.tensors[i].name, spec.n_layers
             ))
         };
-        if n_layers > limit {
+        if n_layers > spec.n_layers.max(n_tensors) {
             return Err(out_of_range());
         }
         let mut width = vec![0usize; n_layers];
@@ -405,16 +406,15 @@ impl<'c> ExpertStore<'c> {
                     continue;
                 }
                 table.count += 1;
-                for k in 0..6 {
+                for (k, role) in EXPERT_ROLES.iter().enumerate() {
                     if slot_absent(format, k) {
                         continue; // loc stays empty; decl unused
                     }
                     let di = e.decl[k];
                     if di == NO_DECL {
                         return Err(StreamError::Invalid(format!(
-                            "routed expert {} of layer {layer} declares no {:?} tensor",
-                            x - first,
-                            EXPERT_ROLES[k]
+                            "routed expert {} of layer {layer} declares no {role:?} tensor",
+                            x - first
                         )));
                     }
                     let d = &spec.tensors[di as usize];
@@ -1599,7 +1599,10 @@ mod tests {
         assert_eq!(t.get((1, 0)).map(|e| e.decl[0]), Some(0));
         assert!(t.get((1, 1)).is_none(), "sparse id");
         assert_eq!(t.get((1, 2)).map(|e| e.decl[0]), Some(2));
-        assert!(t.get((1, 3)).is_none(), "past the layer's width, not the next layer's");
+        assert!(
+            t.get((1, 3)).is_none(),
+            "past the layer's width, not the next layer's"
+        );
         assert_eq!(t.get((2, 0)).map(|e| e.decl[0]), Some(3));
         assert!(t.get((2, 2)).is_none() && t.get((3, 0)).is_none());
         assert!(t.get((usize::MAX, usize::MAX)).is_none());

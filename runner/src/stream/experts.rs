@@ -1579,6 +1579,7 @@ mod tests {
             (3, (1 << 47) + 12_345, u64::from(u32::MAX))
         );
         assert_eq!(std::mem::size_of::<TensorLoc>(), 12);
+        assert_eq!(std::mem::size_of::<ExpertEntry>(), 96);
         let e = TensorLoc::new(0, 0, 1 << 32).expect_err("too long");
         assert!(e.contains("4294967296 bytes long"), "{e}");
         let e = TensorLoc::new(0, LOC_OFFSET_LIMIT, 1).expect_err("too far");

@@ -5,7 +5,7 @@ mod stream_support;
 
 use std::os::unix::fs::FileExt;
 
-use k3_models::spec::{ModelSpec, TensorRole};
+use k3_models::spec::{ModelSpec, TensorDecl, TensorRole};
 use k3_run::checkpoint::Checkpoint;
 use k3_run::resident::ResidentExperts;
 use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
@@ -314,4 +314,117 @@ fn resident_maps_serve_exact_bytes_with_and_without_advice() {
         }
     }
     assert!(layers > 0, "tiny has MoE layers");
+}
+
+/// `spec` without the tensors `cut` selects (index rebuilt).
+fn without(spec: &ModelSpec, cut: impl Fn(&TensorDecl) -> bool) -> ModelSpec {
+    let mut s = spec.clone();
+    s.tensors.retain(|d| !cut(d));
+    s.rebuild_index();
+    s
+}
+
+fn expect_undeclared(c: &mut ExpertCache<'_>, layer: usize, id: u32) {
+    match c.experts(layer, &[id]) {
+        Err(WeightError::Expert {
+            layer: l,
+            expert,
+            msg,
+        }) => {
+            assert_eq!((l, expert), (layer, id as usize));
+            assert!(msg.contains("is not declared by the model"), "{msg}");
+        }
+        Err(e) => panic!("wrong error kind: {e}"),
+        Ok(_) => panic!("L{layer} E{id} is not declared and must not load"),
+    }
+}
+
+#[test]
+fn sparse_ids_and_short_layers_are_absent_not_misread() {
+    let dir = test_dir("experts_sparse");
+    let (model, spec) = synth_tiny(&dir, 27);
+    let ck = open_ckpt(&model, &spec);
+    let full = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
+    assert_eq!(full.store().n_experts(), 12 * 16, "layer 0 is dense");
+    drop(full);
+    // Layer 2 skips expert 5, layer 4 declares only experts 0..10, layer 6 none.
+    let cut = without(&spec, |d| match (d.layer, d.expert) {
+        (Some(l), Some(e)) => (l, e) == (2, 5) || (l == 4 && e >= 10) || l == 6,
+        _ => false,
+    });
+    let opts = ExpertCacheOptions {
+        budget_bytes: 1 << 30,
+        o_direct: true,
+        read_threads: 2,
+    };
+    let mut c = ExpertCache::new(&cut, &ck, &opts).expect("cache");
+    assert_eq!(c.store().n_experts(), 12 * 16 - 1 - 6 - 16);
+    c.begin_token();
+    req(&mut c, &cut, &ck, 2, &[0, 4, 6, 15]);
+    req(&mut c, &cut, &ck, 4, &[0, 9]);
+    req(&mut c, &cut, &ck, 5, &[0, 15]);
+    req(&mut c, &cut, &ck, 12, &[15]);
+    for (layer, id) in [(2, 5), (4, 10), (4, 15), (6, 0), (0, 0), (3, 16), (13, 0)] {
+        expect_undeclared(&mut c, layer, id);
+    }
+    // A guess at an undeclared expert is skipped, not read.
+    c.prefetch(4, &[12, 1]);
+    req(&mut c, &cut, &ck, 4, &[1]);
+    expect_undeclared(&mut c, 4, 12);
+    drop(c);
+    // No routed experts at all (and no MoE section): an empty store.
+    let mut none = without(&spec, |d| d.expert.is_some());
+    none.moe = None;
+    let mut c = ExpertCache::new(&none, &ck, &opts).expect("an empty store");
+    assert_eq!(c.store().n_experts(), 0);
+    assert!(c.store().io_line().contains("no routed experts"));
+    expect_undeclared(&mut c, 1, 0);
+}
+
+#[test]
+fn an_expert_missing_a_role_or_a_tensor_is_refused_naming_it() {
+    let dir = test_dir("experts_missing");
+    let (model, spec) = synth_tiny(&dir, 28);
+    let ck = open_ckpt(&model, &spec);
+    let opts = ExpertCacheOptions::default();
+    let cut = without(&spec, |d| {
+        (d.layer, d.expert, d.role) == (Some(3), Some(2), TensorRole::ExpertW3Scale)
+    });
+    let err = ExpertCache::new(&cut, &ck, &opts)
+        .expect_err("a role is missing")
+        .to_string();
+    assert!(
+        err.contains("routed expert 2 of layer 3 declares no ExpertW3Scale tensor"),
+        "{err}"
+    );
+
+    let mut renamed = spec.clone();
+    let i = renamed
+        .tensors
+        .iter()
+        .position(|d| (d.layer, d.expert, d.role) == (Some(5), Some(7), TensorRole::ExpertW2Packed))
+        .expect("declared");
+    renamed.tensors[i].name.push_str(".absent");
+    let name = renamed.tensors[i].name.clone();
+    let err = ExpertCache::new(&renamed, &ck, &opts)
+        .expect_err("a tensor is missing")
+        .to_string();
+    assert!(
+        err.contains(&format!("tensor {name} is not in the checkpoint")),
+        "{err}"
+    );
+
+    // An id far outside the spec's grid is refused (no table sized by it).
+    let mut far = spec.clone();
+    far.tensors[i].expert = Some(1 << 40);
+    far.rebuild_index();
+    let err = ExpertCache::new(&far, &ck, &opts)
+        .expect_err("an id outside the grid")
+        .to_string();
+    assert!(
+        err.contains("routed expert 1099511627776 of layer 5")
+            && err.contains(&spec.tensors[i].name)
+            && err.contains("13 layers of 16 routed experts"),
+        "{err}"
+    );
 }

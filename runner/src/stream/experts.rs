@@ -92,7 +92,8 @@ pub trait EvictionPolicy: Send {
 #[derive(Debug, Default)]
 pub struct Lru {
     clock: u64,
-    last_use: HashMap<usize, u64>,
+    /// Last access time by slot (slots are dense `0..capacity`); 0 = never touched or removed.
+    last_use: Vec<u64>,
 }
 
 impl EvictionPolicy for Lru {
@@ -101,35 +102,136 @@ impl EvictionPolicy for Lru {
     }
     fn on_access(&mut self, _key: ExpertKey, slot: usize) {
         self.clock += 1;
-        self.last_use.insert(slot, self.clock);
+        if slot >= self.last_use.len() {
+            self.last_use.resize(slot + 1, 0);
+        }
+        self.last_use[slot] = self.clock;
     }
     fn on_insert(&mut self, key: ExpertKey, slot: usize) {
         self.on_access(key, slot);
     }
     fn on_remove(&mut self, _key: ExpertKey, slot: usize) {
-        self.last_use.remove(&slot);
+        if let Some(t) = self.last_use.get_mut(slot) {
+            *t = 0;
+        }
     }
     fn choose_victim(&mut self, candidates: &[(ExpertKey, usize)]) -> usize {
         candidates
             .iter()
             .enumerate()
-            .min_by_key(|(_, (_, slot))| (self.last_use.get(slot).copied().unwrap_or(0), *slot))
+            .min_by_key(|(_, (_, slot))| (self.last_use.get(*slot).copied().unwrap_or(0), *slot))
             .map_or(0, |(i, _)| i)
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+/// Where one expert tensor lives: 12 bytes (the offset as a 48-bit number in two parts, the
+/// length as a u32). [`TensorLoc::new`] refuses what does not fit; it never truncates.
+#[derive(Clone, Copy, Debug, Default)]
 struct TensorLoc {
+    off_lo: u32,
+    off_hi: u16,
     file: u16,
-    offset: u64,
-    len: u64,
+    len: u32,
 }
+
+/// Largest tensor offset a [`TensorLoc`] holds, plus one (256 TiB).
+const LOC_OFFSET_LIMIT: u64 = 1 << 48;
+
+impl TensorLoc {
+    /// The location, or why it does not fit (the caller names the tensor).
+    fn new(file: u16, offset: u64, len: u64) -> Result<Self, String> {
+        let len = u32::try_from(len).map_err(|_| {
+            format!(
+                "{len} bytes long; the expert store holds tensors of at most {} bytes",
+                u32::MAX
+            )
+        })?;
+        if offset >= LOC_OFFSET_LIMIT {
+            return Err(format!(
+                "at byte offset {offset} of its shard; the expert store addresses offsets \
+                 below 2^48"
+            ));
+        }
+        Ok(Self {
+            off_lo: offset as u32,
+            off_hi: (offset >> 32) as u16,
+            file,
+            len,
+        })
+    }
+
+    fn offset(&self) -> u64 {
+        (u64::from(self.off_hi) << 32) | u64::from(self.off_lo)
+    }
+
+    fn len(&self) -> u64 {
+        u64::from(self.len)
+    }
+}
+
+/// `decl` of a slot no tensor fills.
+const NO_DECL: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct ExpertEntry {
-    /// Indices into `spec.tensors`, in [`EXPERT_ROLES`] order.
+    /// Indices into `spec.tensors`, in [`EXPERT_ROLES`] order; [`NO_DECL`] where the spec
+    /// declares no tensor (all six for an expert the model does not have).
     decl: [u32; 6],
     loc: [TensorLoc; 6],
+}
+
+impl ExpertEntry {
+    const ABSENT: ExpertEntry = ExpertEntry {
+        decl: [NO_DECL; 6],
+        loc: [TensorLoc {
+            off_lo: 0,
+            off_hi: 0,
+            file: 0,
+            len: 0,
+        }; 6],
+    };
+
+    fn present(&self) -> bool {
+        self.decl.iter().any(|&d| d != NO_DECL)
+    }
+}
+
+/// Every routed expert's [`ExpertEntry`] in one dense table, layer-major: layer `l`'s experts
+/// `0..w` are slots `base[l]..base[l + 1]`, `w` its largest declared expert id plus one (0 for
+/// a layer without routed experts). Ids the spec skips are [`ExpertEntry::ABSENT`].
+#[derive(Debug, Default)]
+struct ExpertTable {
+    /// `n_layers + 1` slot offsets.
+    base: Vec<usize>,
+    entries: Vec<ExpertEntry>,
+    /// Present experts.
+    count: usize,
+}
+
+impl ExpertTable {
+    fn slot(&self, (layer, expert): ExpertKey) -> Option<usize> {
+        let lo = *self.base.get(layer)?;
+        let hi = *self.base.get(layer + 1)?;
+        let i = lo.checked_add(expert)?;
+        (i < hi).then_some(i)
+    }
+
+    fn get(&self, key: ExpertKey) -> Option<&ExpertEntry> {
+        self.slot(key)
+            .map(|i| &self.entries[i])
+            .filter(|e| e.present())
+    }
+
+    /// The present experts in (layer, expert) order.
+    fn iter(&self) -> impl Iterator<Item = (ExpertKey, &ExpertEntry)> {
+        self.base.windows(2).enumerate().flat_map(move |(l, w)| {
+            self.entries[w[0]..w[1]]
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.present())
+                .map(move |(x, e)| ((l, x), e))
+        })
+    }
 }
 
 /// One positional read of an expert layout.
@@ -156,7 +258,7 @@ pub struct ExpertStore<'c> {
     spec: &'c ModelSpec,
     /// Shared with the prefetch thread.
     files: Arc<Vec<DirectFile>>,
-    entries: HashMap<ExpertKey, ExpertEntry>,
+    entries: ExpertTable,
     /// Buffer bytes one expert needs (max over experts).
     expert_buf_bytes: usize,
     /// Exact payload bytes of one expert (max over experts).
@@ -171,7 +273,7 @@ pub struct ExpertStore<'c> {
 impl std::fmt::Debug for ExpertStore<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExpertStore")
-            .field("experts", &self.entries.len())
+            .field("experts", &self.entries.count)
             .field("files", &self.files.len())
             .field("expert_buf_bytes", &self.expert_buf_bytes)
             .finish_non_exhaustive()
@@ -197,71 +299,7 @@ impl<'c> ExpertStore<'c> {
         pool: ReadPool,
     ) -> Result<Self, StreamError> {
         let format = expert_format(spec);
-        let mut partial: HashMap<ExpertKey, [Option<u32>; 6]> = HashMap::new();
-        for (i, d) in spec.tensors.iter().enumerate() {
-            let (Some(layer), Some(expert)) = (d.layer, d.expert) else {
-                continue;
-            };
-            let Some(slot) = expert_slot(d.role) else {
-                continue;
-            };
-            let idx = u32::try_from(i)
-                .map_err(|_| StreamError::Invalid("more than 2^32 tensors".to_string()))?;
-            partial.entry((layer, expert)).or_default()[slot] = Some(idx);
-        }
-        let mut files: Vec<DirectFile> = Vec::new();
-        // shard index -> file number, files opened in first-use order
-        let mut file_idx: Vec<Option<u16>> = vec![None; ckpt.shards().len()];
-        let mut entries = HashMap::with_capacity(partial.len());
-        // Deterministic file numbering: walk experts in key order.
-        let mut keys: Vec<ExpertKey> = partial.keys().copied().collect();
-        keys.sort_unstable();
-        for key in keys {
-            let p = partial[&key];
-            let mut decl = [0u32; 6];
-            let mut loc = [TensorLoc {
-                file: 0,
-                offset: 0,
-                len: 0,
-            }; 6];
-            for k in 0..6 {
-                if slot_absent(format, k) {
-                    continue; // loc stays empty; decl unused
-                }
-                let di = p[k].ok_or_else(|| {
-                    StreamError::Invalid(format!(
-                        "routed expert {} of layer {} declares no {:?} tensor",
-                        key.1, key.0, EXPERT_ROLES[k]
-                    ))
-                })?;
-                let d = &spec.tensors[di as usize];
-                let (shard, offset, len) = ckpt.shard_span(&d.name).ok_or_else(|| {
-                    StreamError::Invalid(format!(
-                        "tensor {} is not in the checkpoint {}",
-                        d.name,
-                        ckpt.dir().display()
-                    ))
-                })?;
-                let f = match file_idx[shard] {
-                    Some(f) => f,
-                    None => {
-                        let f = u16::try_from(files.len()).map_err(|_| {
-                            StreamError::Invalid("more than 65536 shard files".to_string())
-                        })?;
-                        files.push(DirectFile::open(&ckpt.shards()[shard].path, o_direct)?);
-                        file_idx[shard] = Some(f);
-                        f
-                    }
-                };
-                decl[k] = di;
-                loc[k] = TensorLoc {
-                    file: f,
-                    offset,
-                    len,
-                };
-            }
-            entries.insert(key, ExpertEntry { decl, loc });
-        }
+        let (files, entries) = Self::index(spec, ckpt, format, o_direct)?;
         let mut store = Self {
             spec,
             files: Arc::new(files),
@@ -273,7 +311,7 @@ impl<'c> ExpertStore<'c> {
         };
         let mut buf = 0usize;
         let mut bytes = 0u64;
-        for e in store.entries.values() {
+        for (_, e) in store.entries.iter() {
             buf = buf.max(
                 store
                     .layout(e)
@@ -283,16 +321,137 @@ impl<'c> ExpertStore<'c> {
                     .max()
                     .unwrap_or(0),
             );
-            bytes = bytes.max(e.loc.iter().map(|l| l.len).sum());
+            bytes = bytes.max(e.loc.iter().map(|l| l.len()).sum());
         }
         store.expert_buf_bytes = align_up(buf.max(1) as u64, IO_ALIGN as u64) as usize;
         store.expert_bytes = bytes;
         Ok(store)
     }
 
+    /// The table of every routed expert's tensors, filled straight from `spec.tensors`, and
+    /// the shards that hold them, opened in first-use order walking experts in (layer, expert)
+    /// order (deterministic file numbering).
+    fn index(
+        spec: &ModelSpec,
+        ckpt: &Checkpoint,
+        format: ExpertFormat,
+        o_direct: bool,
+    ) -> Result<(Vec<DirectFile>, ExpertTable), StreamError> {
+        let expert_tensors = || {
+            spec.tensors.iter().enumerate().filter_map(|(i, d)| {
+                let (Some(layer), Some(expert)) = (d.layer, d.expert) else {
+                    return None;
+                };
+                expert_slot(d.role).map(|slot| (i, layer, expert, slot))
+            })
+        };
+        let n_experts = spec.moe.as_ref().map_or(0, |m| m.n_experts);
+        // Layers up to the last one with routed experts (lookups past it find nothing).
+        let mut n_tensors = 0usize;
+        let mut n_layers = 0usize;
+        for (_, layer, _, _) in expert_tensors() {
+            n_tensors += 1;
+            n_layers = n_layers.max(layer.saturating_add(1));
+        }
+        // At most the spec's grid, or one slot per declared expert tensor if ids lie outside
+        // it: the table never outgrows the spec itself, however sparse a hand-made spec's ids.
+        let limit = spec.n_layers.saturating_mul(n_experts).max(n_tensors);
+        let out_of_range = || {
+            let (i, layer, expert, _) = expert_tensors()
+                .find(|&(_, l, e, _)| l >= spec.n_layers || e >= n_experts)
+                .expect("invariant: a table over the limit has an id outside the spec's grid");
+            StreamError::Invalid(format!(
+                "routed expert {expert} of layer {layer} (tensor {}) is outside the model's \
+                 {} layers of {n_experts} routed experts",
+                spec.tensors[i].name, spec.n_layers
+            ))
+        };
+        if n_layers > spec.n_layers.max(n_tensors) {
+            return Err(out_of_range());
+        }
+        let mut width = vec![0usize; n_layers];
+        for (_, layer, expert, _) in expert_tensors() {
+            width[layer] = width[layer].max(expert.saturating_add(1));
+        }
+        let mut base = Vec::with_capacity(n_layers + 1);
+        let mut total = 0usize;
+        base.push(0);
+        for w in width {
+            total = total.saturating_add(w);
+            if total > limit {
+                return Err(out_of_range());
+            }
+            base.push(total);
+        }
+        let mut table = ExpertTable {
+            base,
+            entries: vec![ExpertEntry::ABSENT; total],
+            count: 0,
+        };
+        for (i, layer, expert, slot) in expert_tensors() {
+            let idx = u32::try_from(i)
+                .ok()
+                .filter(|&x| x != NO_DECL)
+                .ok_or_else(|| StreamError::Invalid("more than 2^32 tensors".to_string()))?;
+            table.entries[table.base[layer] + expert].decl[slot] = idx;
+        }
+        let mut files: Vec<DirectFile> = Vec::new();
+        // shard index -> file number, files opened in first-use order
+        let mut file_idx: Vec<Option<u16>> = vec![None; ckpt.shards().len()];
+        for layer in 0..n_layers {
+            let first = table.base[layer];
+            for x in first..table.base[layer + 1] {
+                let e = &mut table.entries[x];
+                if !e.present() {
+                    continue;
+                }
+                table.count += 1;
+                for (k, role) in EXPERT_ROLES.iter().enumerate() {
+                    if slot_absent(format, k) {
+                        continue; // loc stays empty; decl unused
+                    }
+                    let di = e.decl[k];
+                    if di == NO_DECL {
+                        return Err(StreamError::Invalid(format!(
+                            "routed expert {} of layer {layer} declares no {role:?} tensor",
+                            x - first
+                        )));
+                    }
+                    let d = &spec.tensors[di as usize];
+                    let (shard, offset, len) = ckpt.shard_span(&d.name).ok_or_else(|| {
+                        StreamError::Invalid(format!(
+                            "tensor {} is not in the checkpoint {}",
+                            d.name,
+                            ckpt.dir().display()
+                        ))
+                    })?;
+                    let f = match file_idx[shard] {
+                        Some(f) => f,
+                        None => {
+                            let f = u16::try_from(files.len()).map_err(|_| {
+                                StreamError::Invalid("more than 65536 shard files".to_string())
+                            })?;
+                            files.push(DirectFile::open(&ckpt.shards()[shard].path, o_direct)?);
+                            file_idx[shard] = Some(f);
+                            f
+                        }
+                    };
+                    e.loc[k] = TensorLoc::new(f, offset, len).map_err(|why| {
+                        StreamError::Invalid(format!(
+                            "tensor {} in {}: {why}",
+                            d.name,
+                            ckpt.shards()[shard].path.display()
+                        ))
+                    })?;
+                }
+            }
+        }
+        Ok((files, table))
+    }
+
     /// Number of routed experts indexed.
     pub fn n_experts(&self) -> usize {
-        self.entries.len()
+        self.entries.count
     }
 
     /// Exact payload bytes of one expert (the largest).
@@ -329,16 +488,16 @@ impl<'c> ExpertStore<'c> {
     fn layout(&self, e: &ExpertEntry) -> Layout {
         // Tensors in disk order; adjacent tensors of one file form one run.
         let mut order: Vec<usize> = (0..6).filter(|&k| !slot_absent(self.format, k)).collect();
-        order.sort_by_key(|&k| (e.loc[k].file, e.loc[k].offset));
+        order.sort_by_key(|&k| (e.loc[k].file, e.loc[k].offset()));
         let mut runs: Vec<(u16, u64, u64, Vec<usize>)> = Vec::new();
         for k in order {
             let l = e.loc[k];
             match runs.last_mut() {
-                Some(r) if r.0 == l.file && r.1 + r.2 == l.offset => {
-                    r.2 += l.len;
+                Some(r) if r.0 == l.file && r.1 + r.2 == l.offset() => {
+                    r.2 += l.len();
                     r.3.push(k);
                 }
-                _ => runs.push((l.file, l.offset, l.len, vec![k])),
+                _ => runs.push((l.file, l.offset(), l.len(), vec![k])),
             }
         }
         let mut out = Vec::with_capacity(runs.len());
@@ -349,8 +508,8 @@ impl<'c> ExpertStore<'c> {
             for k in members {
                 let l = e.loc[k];
                 tensors[k] = (
-                    pos + span.lead + (l.offset - offset) as usize,
-                    l.len as usize,
+                    pos + span.lead + (l.offset() - offset) as usize,
+                    l.len() as usize,
                 );
             }
             out.push(RunRead {
@@ -375,7 +534,7 @@ impl<'c> ExpertStore<'c> {
     ) -> (Vec<Result<Layout, String>>, u64) {
         let mut layouts: Vec<Result<Layout, String>> = keys
             .iter()
-            .map(|key| match self.entries.get(key) {
+            .map(|&key| match self.entries.get(key) {
                 Some(e) => Ok(self.layout(e)),
                 None => Err(format!(
                     "routed expert {} of layer {} is not declared by the model",
@@ -402,7 +561,10 @@ impl<'c> ExpertStore<'c> {
 
     /// The E8M0 check of one loaded expert: no scale byte may be 0xFF (NaN).
     fn check_scales(&self, key: ExpertKey, lay: &Layout, buf: &[u8]) -> Result<(), String> {
-        let e = &self.entries[&key];
+        let e = self
+            .entries
+            .get(key)
+            .expect("invariant: only declared experts are checked");
         for (k, &(pos, len)) in lay.tensors.iter().enumerate() {
             if !is_scale(k) || slot_absent(self.format, k) {
                 continue;
@@ -1367,7 +1529,7 @@ impl ExpertSource for ExpertCache<'_> {
             if self.map.contains_key(&key) {
                 continue;
             }
-            let Some(entry) = self.store.entries.get(&key) else {
+            let Some(entry) = self.store.entries.get(key) else {
                 continue;
             };
             let layout = self.store.layout(entry);
@@ -1402,5 +1564,50 @@ impl ExpertSource for ExpertCache<'_> {
         if let Some(p) = self.prefetcher.as_mut() {
             p.send(items);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_loc_keeps_what_fits_and_refuses_the_rest() {
+        let l = TensorLoc::new(3, (1 << 47) + 12_345, u64::from(u32::MAX)).expect("fits");
+        assert_eq!(
+            (l.file, l.offset(), l.len()),
+            (3, (1 << 47) + 12_345, u64::from(u32::MAX))
+        );
+        assert_eq!(std::mem::size_of::<TensorLoc>(), 12);
+        assert_eq!(std::mem::size_of::<ExpertEntry>(), 96);
+        let e = TensorLoc::new(0, 0, 1 << 32).expect_err("too long");
+        assert!(e.contains("4294967296 bytes long"), "{e}");
+        let e = TensorLoc::new(0, LOC_OFFSET_LIMIT, 1).expect_err("too far");
+        assert!(e.contains("offset 281474976710656"), "{e}");
+    }
+
+    #[test]
+    fn table_lookups_stay_in_their_layer() {
+        let mut t = ExpertTable {
+            base: vec![0, 0, 3, 5],
+            entries: vec![ExpertEntry::ABSENT; 5],
+            count: 0,
+        };
+        for i in [0, 2, 3] {
+            t.entries[i].decl[0] = i as u32;
+        }
+        assert!(t.get((0, 0)).is_none());
+        assert_eq!(t.get((1, 0)).map(|e| e.decl[0]), Some(0));
+        assert!(t.get((1, 1)).is_none(), "sparse id");
+        assert_eq!(t.get((1, 2)).map(|e| e.decl[0]), Some(2));
+        assert!(
+            t.get((1, 3)).is_none(),
+            "past the layer's width, not the next layer's"
+        );
+        assert_eq!(t.get((2, 0)).map(|e| e.decl[0]), Some(3));
+        assert!(t.get((2, 2)).is_none() && t.get((3, 0)).is_none());
+        assert!(t.get((usize::MAX, usize::MAX)).is_none());
+        let keys: Vec<ExpertKey> = t.iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, vec![(1, 0), (1, 2), (2, 0)]);
     }
 }

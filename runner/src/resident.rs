@@ -581,6 +581,8 @@ pub struct ResidentGlobal<'c> {
     small: Vec<(&'c TensorDecl, Src<'c>)>,
     arena: Option<Arc<ResidentArena>>,
     d_model: usize,
+    /// The lm_head's pages were given `MADV_WILLNEED` (on the first call only).
+    lm_head_advised: bool,
 }
 
 impl<'c> ResidentGlobal<'c> {
@@ -616,6 +618,7 @@ impl<'c> ResidentGlobal<'c> {
             small,
             arena: b.arena,
             d_model: spec.d_model,
+            lm_head_advised: false,
         })
     }
 }
@@ -646,6 +649,12 @@ impl GlobalSource for ResidentGlobal<'_> {
         logits: &mut [&mut [f32]],
     ) -> Result<(), WeightError> {
         let bytes = resolve(self.arena.as_ref(), self.lm_head.1);
+        if let (Src::Mapped(_), false) = (self.lm_head.1, self.lm_head_advised) {
+            // The first pass reads the whole matrix (2.3 GB in real K3) in large requests
+            // ahead of the matvec's faults.
+            crate::checkpoint::advise_willneed(bytes);
+            self.lm_head_advised = true;
+        }
         let w: std::borrow::Cow<'_, [u16]> = match bytemuck::try_cast_slice::<u8, u16>(bytes) {
             Ok(s) if cfg!(target_endian = "little") => std::borrow::Cow::Borrowed(s),
             _ => std::borrow::Cow::Owned(

@@ -435,6 +435,14 @@ fn a_name_with_a_control_character_is_shown_escaped() {
         "the name, quoted with escapes: {msg}"
     );
     assert!(msg.contains(&path.display().to_string()), "{msg}");
+    // Invisible and layout-changing characters are escaped too; quotes and accents are not.
+    use k3_run::checkpoint::error::Shown;
+    assert_eq!(Shown("a\u{202e}b").to_string(), r#""a\u{202e}b""#);
+    assert_eq!(Shown("a\u{200b}b").to_string(), r#""a\u{200b}b""#);
+    assert_eq!(
+        Shown(r#"modèle "1" it's"#).to_string(),
+        r#"modèle "1" it's"#
+    );
 }
 
 #[test]
@@ -794,10 +802,22 @@ fn index_names_unescape_and_non_plain_files_are_refused_by_name() {
         "s1.safetensors",
         "model-00001-of-00093.safetensors",
         ".hidden",
+        "modèle \"1\" it's.safetensors",
     ] {
         assert!(is_plain_file_name(name), "{name}");
     }
-    for name in ["", ".", "..", "a/b", "a\\b", "/abs"] {
+    for name in [
+        "",
+        ".",
+        "..",
+        "a/b",
+        "a\\b",
+        "/abs",
+        "x\u{1b}[2Jy.safetensors",
+        "a\0b",
+        "a\nb",
+        "a\u{202e}b",
+    ] {
         assert!(!is_plain_file_name(name), "{name:?}");
     }
 }

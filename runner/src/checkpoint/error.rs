@@ -7,14 +7,20 @@
 
 use std::path::PathBuf;
 
-/// A tensor name as an error message shows it: as written when it has no control character,
-/// else quoted with escapes (names come from the checkpoint's own JSON, and a `\u0000` in one
-/// must not put a raw NUL or escape sequence on the terminal).
+/// A tensor name as an error message shows it: as written when every character prints as
+/// itself, else quoted with escapes (names come from the checkpoint's own JSON: a `\u0000`,
+/// an escape sequence or a right-to-left override in one must not reach the terminal raw).
 pub struct Shown<'a>(pub &'a str);
+
+/// `true` when `Debug` would escape `c` for a reason other than quoting (`\`, `"`, `'`):
+/// control characters and the invisible or layout-changing ones (U+202E, U+200B, U+2028, ...).
+pub fn needs_escape(c: char) -> bool {
+    !matches!(c, '\\' | '"' | '\'') && c.escape_debug().next() == Some('\\')
+}
 
 impl std::fmt::Display for Shown<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.0.chars().any(char::is_control) {
+        if self.0.chars().any(needs_escape) {
             write!(f, "{:?}", self.0)
         } else {
             f.write_str(self.0)

@@ -43,9 +43,14 @@ use k3_models::spec::{DType, ModelSpec, Shape, TensorDecl, TensorRole};
 use memmap2::Mmap;
 
 /// A shard name an index or manifest may point at: a file directly in the checkpoint
-/// directory (not empty, no path separator, not `.` or `..`).
+/// directory (not empty, no path separator, not `.` or `..`), with no control or invisible
+/// character (it is shown in messages; see [`error::needs_escape`]).
 pub fn is_plain_file_name(name: &str) -> bool {
-    !name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != ".."
+    !name.is_empty()
+        && !name.contains(['/', '\\'])
+        && name != "."
+        && name != ".."
+        && !name.chars().any(error::needs_escape)
 }
 
 pub use error::CheckpointError;

@@ -561,7 +561,23 @@ pub fn advise_willneed(bytes: &[u8]) {
         .unwrap_or(4096);
     let addr = bytes.as_ptr() as usize;
     let start = addr & !(page - 1);
+    let last = (addr + bytes.len() - 1) & !(page - 1);
     let len = addr + bytes.len() - start;
+    // The advice walks every page of the range in the page cache (~50 ns a page here): when
+    // the second and the second-to-last page are cached, take the tensor as read and skip it,
+    // so a warm run does not pay for the walk. Not the first and last: tensors are not
+    // page-aligned, and those pages are shared with the neighbours, which may have been read
+    // without this one.
+    let cached = |p: usize| {
+        let mut v = 0u8;
+        // SAFETY: `p` is a page of the mapping `bytes` lies in (see below); mincore writes one
+        // byte per page of the one-page range into `v`.
+        let rc = unsafe { libc::mincore(p as *mut libc::c_void, page, &mut v) };
+        rc == 0 && v & 1 == 1
+    };
+    if last >= start + 2 * page && cached(start + page) && cached(last - page) {
+        return;
+    }
     // SAFETY: [start, start + len) lies inside the mapping `bytes` was taken from (mappings
     // begin on a page boundary, and `start` is `bytes`' first page); MADV_WILLNEED does not
     // change the memory's contents or validity.

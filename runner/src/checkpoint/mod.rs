@@ -549,7 +549,8 @@ pub use k3_models::load::describe_file_type;
 /// returns without waiting, so several tensors' reads are in flight together before the first
 /// fault on them, and a fault on a page already read or in flight does not read the kernel's
 /// read-around window (the device's `read_ahead_kb`, often several MiB) around it. Advice
-/// only: never changes the bytes, and a refusal is ignored.
+/// only: never changes the bytes, and a refusal is ignored. Sound for any slice (on anonymous
+/// memory the advice and the residency check do nothing harmful), useful only on a mapping.
 pub fn advise_willneed(bytes: &[u8]) {
     if bytes.is_empty() {
         return;

@@ -82,9 +82,7 @@ fn req(c: &mut ExpertCache<'_>, spec: &ModelSpec, ck: &Checkpoint, layer: usize,
 
 #[test]
 fn lru_capacity_two_scripted_counters() {
-    let dir = test_dir("experts_lru");
-    let (model, spec) = synth_tiny(&dir, 21);
-    let ck = open_ckpt(&model, &spec);
+    let (model, spec, ck) = tiny_opened("experts_lru", 21);
     let mut c = cache(&spec, &ck, 2);
     assert_eq!(c.policy_name(), "lru");
     c.enable_trace();
@@ -125,7 +123,7 @@ fn lru_capacity_two_scripted_counters() {
     let sim = simulate(&trace, 2);
     assert_eq!((sim.requests, sim.lru_hits), (7, 3));
     assert!(sim.belady_hits >= sim.lru_hits);
-    let tdir = dir.join("trace");
+    let tdir = model.with_file_name("trace"); // beside the model, in its test directory
     c.write_trace(&tdir).expect("write trace");
     assert_eq!(
         read_trace(&tdir.join(TRACE_FILE)).expect("read trace"),
@@ -135,9 +133,7 @@ fn lru_capacity_two_scripted_counters() {
 
 #[test]
 fn zero_budget_serves_every_call_from_scratch() {
-    let dir = test_dir("experts_zero");
-    let (model, spec) = synth_tiny(&dir, 22);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("experts_zero", 22);
     let mut c = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
     assert_eq!(c.capacity(), 0);
     for _ in 0..2 {
@@ -157,9 +153,7 @@ fn zero_budget_serves_every_call_from_scratch() {
 
 #[test]
 fn capacity_smaller_than_one_call_overflows_to_scratch() {
-    let dir = test_dir("experts_overflow");
-    let (model, spec) = synth_tiny(&dir, 23);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("experts_overflow", 23);
     let mut c = cache(&spec, &ck, 1);
     c.begin_token();
     req(&mut c, &spec, &ck, 4, &[1, 2, 3, 4]);
@@ -193,9 +187,7 @@ fn expert_offsets(ck: &Checkpoint, spec: &ModelSpec, layer: usize, e: usize) -> 
 
 #[test]
 fn a_failed_read_is_weight_error_expert() {
-    let dir = test_dir("experts_read_error");
-    let (model, spec) = synth_tiny(&dir, 24);
-    let ck = open_ckpt(&model, &spec);
+    let (model, spec, ck) = tiny_opened("experts_read_error", 24);
     let (start, _, name) = expert_offsets(&ck, &spec, 5, 3);
     let shard = shard_of(&model, &name);
     // Cut the shard inside expert 3 of layer 5 (the checkpoint is already open and never
@@ -239,9 +231,7 @@ fn a_failed_read_is_weight_error_expert() {
 
 #[test]
 fn e8m0_nan_scale_is_refused_naming_the_tensor() {
-    let dir = test_dir("experts_e8m0");
-    let (model, spec) = synth_tiny(&dir, 25);
-    let ck = open_ckpt(&model, &spec);
+    let (model, spec, ck) = tiny_opened("experts_e8m0", 25);
     let (_, scale_off, name) = expert_offsets(&ck, &spec, 4, 2);
     let shard = shard_of(&model, &name);
     std::fs::OpenOptions::new()
@@ -266,9 +256,7 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
 #[test]
 fn io_uring_pool_serves_the_same_experts() {
     use k3_run::stream::direct::ReadPool;
-    let dir = test_dir("experts_uring");
-    let (model, spec) = synth_tiny(&dir, 26);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("experts_uring", 26);
     let pool = ReadPool::with_io_uring(4).expect("pool");
     let mut c = ExpertCache::new_with_pool(&spec, &ck, &ExpertCacheOptions::default(), pool)
         .expect("cache");
@@ -289,9 +277,7 @@ fn io_uring_pool_serves_the_same_experts() {
 /// and later ones (none), in any order of ids.
 #[test]
 fn resident_maps_serve_exact_bytes_with_and_without_advice() {
-    let dir = test_dir("resident_advised_maps");
-    let (model, spec) = synth_tiny(&dir, 41);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("resident_advised_maps", 41);
     let n = spec
         .moe
         .as_ref()
@@ -341,9 +327,7 @@ fn expect_undeclared(c: &mut ExpertCache<'_>, layer: usize, id: u32) {
 
 #[test]
 fn sparse_ids_and_short_layers_are_absent_not_misread() {
-    let dir = test_dir("experts_sparse");
-    let (model, spec) = synth_tiny(&dir, 27);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("experts_sparse", 27);
     let full = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
     assert_eq!(full.store().n_experts(), 12 * 16, "layer 0 is dense");
     drop(full);
@@ -383,9 +367,7 @@ fn sparse_ids_and_short_layers_are_absent_not_misread() {
 
 #[test]
 fn an_expert_missing_a_role_or_a_tensor_is_refused_naming_it() {
-    let dir = test_dir("experts_missing");
-    let (model, spec) = synth_tiny(&dir, 28);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("experts_missing", 28);
     let opts = ExpertCacheOptions::default();
     let cut = without(&spec, |d| {
         (d.layer, d.expert, d.role) == (Some(3), Some(2), TensorRole::ExpertW3Scale)

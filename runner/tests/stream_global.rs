@@ -18,9 +18,7 @@ fn bf16_bits(b: &[u8]) -> Vec<u16> {
 
 #[test]
 fn streamed_globals_match_resident_bits_at_any_chunk_size() {
-    let dir = test_dir("global_ultra");
-    let (model, spec) = synth_tiny(&dir, 31);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("global_ultra", 31);
     let lm = spec
         .tensor(TensorRole::LmHead, None, None)
         .expect("lm_head");

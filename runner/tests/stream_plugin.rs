@@ -47,9 +47,7 @@ fn script(c: &mut ExpertCache<'_>) -> (u64, u64, u64, u64, u64) {
 
 #[test]
 fn example_plugin_in_process_matches_builtin_lru() {
-    let dir = test_dir("plugin_in_process");
-    let (model, spec) = synth_tiny(&dir, 41);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("plugin_in_process", 41);
     let mut builtin = cache2(&spec, &ck);
     let want = script(&mut builtin);
     assert_eq!(want, (7, 3, 4, 2, 2));
@@ -137,9 +135,7 @@ fn version_mismatch_is_refused_before_anything_else() {
 
 #[test]
 fn misbehaving_plugins_fall_back_to_builtin_lru() {
-    let dir = test_dir("plugin_fallback");
-    let (model, spec) = synth_tiny(&dir, 42);
-    let ck = open_ckpt(&model, &spec);
+    let (_, spec, ck) = tiny_opened("plugin_fallback", 42);
     for (vt, why) in [(&OUT_OF_RANGE, "index"), (&PANICKY, "panicked")] {
         let mut c = cache2(&spec, &ck);
         // SAFETY: static vtables following the ABI (except the deliberate bad answers).

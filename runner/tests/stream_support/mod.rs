@@ -52,6 +52,15 @@ pub fn open_ckpt(dir: &Path, spec: &ModelSpec) -> Checkpoint {
     .expect("checkpoint opens")
 }
 
+/// A fresh test directory `name` with the tiny synthetic K3 of `seed` written into it and
+/// opened with [`open_ckpt`]: (model directory, spec, checkpoint).
+pub fn tiny_opened(name: &str, seed: u64) -> (PathBuf, ModelSpec, Checkpoint) {
+    let dir = test_dir(name);
+    let (model, spec) = synth_tiny(&dir, seed);
+    let ck = open_ckpt(&model, &spec);
+    (model, spec, ck)
+}
+
 /// One tensor of a safetensors file: (name, dtype, shape, bytes).
 pub type Raw = (String, String, Vec<usize>, Vec<u8>);
 

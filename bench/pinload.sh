@@ -5,6 +5,9 @@
 # dropped, so free page reporting can hand it back to the host), and with POOL_PAGES set a
 # third condition "pool": cold, with the pinned buffers on a reserved huge-page pool
 # (`vm.nr_hugepages`, I/O policy `reserved_huge_pages`), whose pages the host keeps backed.
+# Always also "pagecache": cold, with the pinned prefix held in trunk.bin's page cache (I/O
+# policy configs/io/page-cache.toml: mapped, read in with MADV_POPULATE_READ, locked), which
+# allocates no buffer for the guest to zero and the host to back.
 #
 # Per round and condition: drop the page cache; `k3-run doctor` QD16 probe of trunk.bin;
 # (warm: bench/touch_memory.py of the trunk's size | cold, pool: sleep COLD_WAIT); then
@@ -30,13 +33,13 @@ all="$(jq -r '[.layers[].size] | add / 1e9 + 0.001' "$TRUNK/trunk.json")"
 nopool="$out/direct-no-pool.toml"
 sed 's/^reserved_huge_pages = true/reserved_huge_pages = false/' "$K3B_ROOT/configs/io/direct.toml" > "$nopool"
 grep -q '^reserved_huge_pages = false' "$nopool" || k3b_die "configs/io/direct.toml has no reserved_huge_pages = true"
-conds="warm cold"
+conds="warm cold pagecache"
 if [ -n "${POOL_PAGES:-}" ]; then
     old_pool="$(cat /proc/sys/vm/nr_hugepages)"
     trap 'echo "$old_pool" > /proc/sys/vm/nr_hugepages' EXIT
     echo "$POOL_PAGES" > /proc/sys/vm/nr_hugepages
     k3b_log "reserved pool: $(grep HugePages_Free /proc/meminfo) (was $old_pool pages)"
-    conds="warm cold pool"
+    conds="warm cold pagecache pool"
     "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" --cache-gb 0.017 \
         --out "$out/pool-first-use.json" > "$out/pool-first-use.log" 2>&1 || k3b_die "pool first use failed"
     [ "$(jq -r '.trunk.hugetlb_bytes' "$out/pool-first-use.json")" -gt 0 ] ||
@@ -56,6 +59,7 @@ for r in $(seq 1 "$ROUNDS"); do
         # the disk with the prompt's expert reads (bench/README.md: time to first token).
         io="$nopool"
         [ "$cond" = pool ] && io=direct
+        [ "$cond" = pagecache ] && io="$K3B_ROOT/configs/io/page-cache.toml"
         K3_PIN_SYNC=1 "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" \
             --cache-gb 0.017 --io "$io" --out "$out/$r.$cond.json" > "$out/$r.$cond.log" 2>&1
         load="$(jq -r '.trunk.bytes_read / .pinned_load_seconds / 1e6 | round' "$out/$r.$cond.json")"

@@ -1339,8 +1339,22 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         } else {
             0.0
         },
-        if trunk.o_direct { ", O_DIRECT" } else { "" }
+        match (trunk.o_direct, trunk.pinned_page_cache) {
+            (true, true) => ", O_DIRECT; pinned prefix in the page cache",
+            (true, false) => ", O_DIRECT",
+            (false, true) => ", pinned prefix in the page cache",
+            (false, false) => "",
+        }
     );
+    if trunk.pinned_unlocked_bytes > 0 {
+        println!(
+            "warning: {} of the pinned prefix in the page cache could not be locked in RAM \
+             (mlock: {}; raise the locked-memory limit, `ulimit -l`): the kernel may evict \
+             those pages and read them again",
+            crate::stream::fmt_bytes(trunk.pinned_unlocked_bytes),
+            trunk.pinned_lock_error.as_deref().unwrap_or("refused")
+        );
+    }
     let reserved = trunk.hugetlb_bytes + session.arena_hugetlb_bytes;
     println!(
         "PEAK RSS {:.1} MB (getrusage; quote this, not the plan){}",

@@ -161,6 +161,8 @@ pub fn build_with<'c>(
                     background_pinned: std::env::var_os("K3_PIN_SYNC").is_none(),
                     active_layers: None,
                     pages: m.io.page_source(),
+                    pinned_page_cache: m.io.pinned
+                        == crate::stream::io_policy::PinnedPages::PageCache,
                 };
                 if m.trunk_budget_bytes.is_none() {
                     startup.push(

@@ -101,6 +101,14 @@ pub struct TrunkStats {
     /// (`vm.nr_hugepages`; I/O policy `reserved_huge_pages`): not in the peak RSS getrusage
     /// reports, and not charged to a memory cgroup.
     pub hugetlb_bytes: u64,
+    /// The pinned prefix is held in trunk.bin's page-cache pages (I/O policy
+    /// `pinned = "page-cache"`), mapped and locked, not in buffers.
+    pub pinned_page_cache: bool,
+    /// Bytes of page-cache pinned layers that could not be locked in RAM (`mlock` refused:
+    /// RLIMIT_MEMLOCK): served all the same, but the kernel may evict and read them again.
+    pub pinned_unlocked_bytes: u64,
+    /// Why `mlock` refused (the first refusal), when `pinned_unlocked_bytes` > 0.
+    pub pinned_lock_error: Option<String>,
 }
 
 /// Counters an expert provider reports (SYSTEM.md §4).

@@ -270,6 +270,11 @@ impl DirectFile {
         Ok(span.lead)
     }
 
+    /// The buffered handle (always open): for mapping the file.
+    pub fn buffered_file(&self) -> &File {
+        &self.buffered
+    }
+
     /// The O_DIRECT handle while direct reads work (for io_uring submission).
     pub fn direct_fd(&self) -> Option<&File> {
         if self.is_direct() {

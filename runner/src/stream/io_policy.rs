@@ -20,6 +20,22 @@ pub enum TrunkIo {
     Mmap,
 }
 
+/// Where the pinned prefix of a packed trunk lives (I/O policy key `pinned`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PinnedPages {
+    /// Exact-size buffers filled with positional reads (O_DIRECT when `o_direct`).
+    #[default]
+    Buffers,
+    /// trunk.bin's own page-cache pages: each pinned layer is mapped read-only, read into the
+    /// page cache with `MADV_POPULATE_READ` at queue depth 16 and locked with `mlock` (when
+    /// the process may lock that much; otherwise left unlocked and reported). No buffer is
+    /// allocated, so fresh memory is never zeroed for it, and a run after another one finds
+    /// the prefix still cached. A compressed trunk, or a kernel without
+    /// `MADV_POPULATE_READ` (before Linux 5.14), falls back to buffers, reported at start.
+    PageCache,
+}
+
 /// One I/O policy file.
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +54,9 @@ pub struct IoPolicy {
     /// the kernel's default.
     #[serde(default)]
     pub reserved_huge_pages: bool,
+    /// Where the pinned prefix lives: `"buffers"` (default) or `"page-cache"`.
+    #[serde(default)]
+    pub pinned: PinnedPages,
     /// Reader threads for expert misses (queue depth).
     pub read_threads: usize,
     /// Try io_uring for expert reads (falls back to the thread pool at run time).
@@ -47,6 +66,7 @@ pub struct IoPolicy {
 
 const DIRECT: &str = include_str!("../../../configs/io/direct.toml");
 const MMAP: &str = include_str!("../../../configs/io/mmap.toml");
+const PAGE_CACHE: &str = include_str!("../../../configs/io/page-cache.toml");
 
 pub fn parse_io_policy(text: &str, origin: &str) -> Result<IoPolicy, StreamError> {
     let p: IoPolicy = toml::from_str(text)
@@ -75,6 +95,12 @@ impl IoPolicy {
         parse_io_policy(DIRECT, "configs/io/direct.toml")
             .expect("the shipped configs/io/direct.toml is valid (unit-tested)")
     }
+    /// The direct policy with the pinned prefix in the page cache
+    /// (`configs/io/page-cache.toml`).
+    pub fn page_cache() -> Self {
+        parse_io_policy(PAGE_CACHE, "configs/io/page-cache.toml")
+            .expect("the shipped configs/io/page-cache.toml is valid (unit-tested)")
+    }
     /// The page-cache comparison policy (`configs/io/mmap.toml`).
     pub fn mmap() -> Self {
         parse_io_policy(MMAP, "configs/io/mmap.toml")
@@ -93,6 +119,7 @@ pub fn load_io_policy(value: &str) -> Result<IoPolicy, StreamError> {
     match value {
         "direct" => Ok(IoPolicy::direct()),
         "mmap" => Ok(IoPolicy::mmap()),
+        "page-cache" => Ok(IoPolicy::page_cache()),
         v if v.contains('/') || v.ends_with(".toml") => {
             let path = Path::new(v);
             let text = k3_models::load::read_regular_file(path)
@@ -100,7 +127,7 @@ pub fn load_io_policy(value: &str) -> Result<IoPolicy, StreamError> {
             parse_io_policy(&text, v)
         }
         v => Err(StreamError::Config(format!(
-            "unknown I/O policy {v:?}; built-in: direct, mmap (or a path to a .toml)"
+            "unknown I/O policy {v:?}; built-in: direct, page-cache, mmap (or a path to a .toml)"
         ))),
     }
 }
@@ -128,6 +155,14 @@ mod tests {
         )
         .expect("old policy");
         assert!(!old.reserved_huge_pages);
+        assert_eq!(old.pinned, PinnedPages::Buffers);
+        assert_eq!(d.pinned, PinnedPages::Buffers);
+        let pc = parse_io_policy(PAGE_CACHE, "page-cache.toml").expect("page-cache");
+        assert_eq!(
+            (pc.trunk, pc.o_direct, pc.pinned),
+            (TrunkIo::Direct, true, PinnedPages::PageCache)
+        );
+        assert_eq!(load_io_policy("page-cache").expect("page-cache"), pc);
         assert_eq!(load_io_policy("mmap").expect("mmap"), m);
         assert_eq!(IoPolicy::default(), d);
     }
@@ -152,6 +187,15 @@ mod tests {
         )
         .expect_err("zero threads");
         assert!(e.to_string().contains("read_threads"), "{e}");
+        let e = parse_io_policy(
+            "name='x'\ntrunk='direct'\no_direct=true\nhuge_pages=true\nread_threads=4\npinned='ram'\n",
+            "x.toml",
+        )
+        .expect_err("bad pinned");
+        assert!(
+            e.to_string().contains("x.toml") && e.to_string().contains("page-cache"),
+            "{e}"
+        );
         assert!(load_io_policy("uring").is_err());
     }
 }

@@ -58,6 +58,11 @@ pub struct TrunkOptions {
     pub active_layers: Option<usize>,
     /// Where the pinned and ring buffers' pages come from (I/O policy `reserved_huge_pages`).
     pub pages: PageSource,
+    /// Hold the pinned prefix in trunk.bin's page-cache pages, mapped, populated and locked,
+    /// instead of buffers (I/O policy `pinned = "page-cache"`; see [`PinnedPages`]).
+    ///
+    /// [`PinnedPages`]: super::io_policy::PinnedPages
+    pub pinned_page_cache: bool,
 }
 
 impl Default for TrunkOptions {
@@ -71,6 +76,7 @@ impl Default for TrunkOptions {
             background_pinned: false,
             active_layers: None,
             pages: PageSource::Anonymous,
+            pinned_page_cache: false,
         }
     }
 }
@@ -99,6 +105,120 @@ pub const PINNED_BACKGROUND_PIECE: usize = 1 << 20;
 struct Loaded {
     buf: AlignedBuf,
     lead: usize,
+}
+
+/// A pinned layer: a buffer, or (`TrunkOptions::pinned_page_cache`) trunk.bin's page-cache
+/// pages of the layer, mapped read-only.
+#[derive(Debug)]
+enum Pinned {
+    Buf(Loaded),
+    Mapped(memmap2::Mmap),
+}
+
+impl Pinned {
+    /// The bytes and where the layer's first byte sits in them.
+    fn bytes(&self) -> (&[u8], usize) {
+        match self {
+            Pinned::Buf(l) => (l.buf.full(), l.lead),
+            Pinned::Mapped(m) => (&m[..], 0),
+        }
+    }
+}
+
+/// The system's page size (4096 when it cannot be read).
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory effects.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
+/// `[addr, addr + len)` widened to start on a page boundary.
+fn page_range(addr: usize, len: usize) -> (usize, usize) {
+    let start = addr & !(page_size() - 1);
+    (start, len + (addr - start))
+}
+
+/// Map `len` bytes of `file` at `offset` read-only (shared: the page cache's own pages).
+fn map_range(file: &DirectFile, offset: u64, len: usize) -> Result<memmap2::Mmap, StreamError> {
+    // SAFETY: the mapping is read-only; a packed trunk is not modified while a run uses it
+    // (the same contract as the checkpoint's shard maps and `MmapTrunk`).
+    unsafe {
+        memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len)
+            .map(file.buffered_file())
+    }
+    .map_err(|e| StreamError::io("map", file.path(), e))
+}
+
+/// `MADV_POPULATE_READ` (Linux 5.14): read the range into the page cache and map it, or fail
+/// (EFAULT on a read error, EINVAL on an older kernel).
+const MADV_POPULATE_READ: libc::c_int = 22;
+
+/// Bytes of the pages of `[addr, addr + len)` (a live file mapping) not in the page cache now:
+/// what reading it in asks of the disk.
+fn uncached_bytes(addr: usize, len: usize) -> u64 {
+    let page = page_size();
+    let (start, len) = page_range(addr, len);
+    let mut resident = vec![0u8; len.div_ceil(page)];
+    // SAFETY: the range lies inside a live mapping owned by the caller; mincore writes one
+    // byte per page of it into `resident`, which has that many.
+    if unsafe { libc::mincore(start as *mut libc::c_void, len, resident.as_mut_ptr()) } != 0 {
+        return len as u64;
+    }
+    (resident.iter().filter(|&&v| v & 1 == 0).count() * page).min(len) as u64
+}
+
+/// Read `[addr, addr + len)` of a live read-only file mapping into the page cache and map it.
+/// The mapping is advised `MADV_RANDOM`, so a fault reads only its own page: the range is
+/// first asked for with `MADV_WILLNEED`, which reads exactly it (in one request where the
+/// device allows), and the populate then waits for those reads. Without that, each fault
+/// would read the device's whole read-ahead window around it (8 MiB on the development VM):
+/// 16 faults in flight would queue 128 MiB in front of the prompt's expert reads.
+fn populate_read(addr: usize, len: usize) -> std::io::Result<()> {
+    let (start, len) = page_range(addr, len);
+    // SAFETY: the range lies inside a live mapping owned by the caller (see `PinLoad`);
+    // WILLNEED and POPULATE_READ only read the file's pages in and map them.
+    unsafe {
+        libc::madvise(start as *mut libc::c_void, len, libc::MADV_WILLNEED);
+        if libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_READ) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Map pinned layer bytes `[offset, offset + len)` of `file` for [`populate_read`].
+fn map_pinned(file: &DirectFile, offset: u64, len: usize) -> Result<memmap2::Mmap, StreamError> {
+    let map = map_range(file, offset, len)?;
+    // Advice only: a refusal leaves read-around on, which is slower but reads the same bytes.
+    let _ = map.advise(memmap2::Advice::Random);
+    Ok(map)
+}
+
+/// A page-cache layer read in completely: `mlock` it so it stays in RAM (its pages are in:
+/// nothing is read), and give its mapping back the normal read-around, for the pages of a
+/// layer that could not be locked and is evicted later. Returns why the lock was refused.
+fn keep_mapped(addr: usize, len: usize) -> Option<String> {
+    let (start, len) = page_range(addr, len);
+    // SAFETY: the range lies inside a live mapping owned by the caller; neither call changes
+    // the memory's contents.
+    unsafe {
+        let locked = libc::mlock(start as *const libc::c_void, len) == 0;
+        let err = (!locked).then(|| std::io::Error::last_os_error().to_string());
+        libc::madvise(start as *mut libc::c_void, len, libc::MADV_NORMAL);
+        err
+    }
+}
+
+/// Whether this kernel takes `MADV_POPULATE_READ` on a mapping of `file` (one page at
+/// `offset`); the error when it does not.
+fn probe_populate_read(file: &DirectFile, offset: u64, len: usize) -> Result<(), String> {
+    let map = map_range(file, offset, len.min(page_size())).map_err(|e| e.to_string())?;
+    populate_read(map.as_ptr() as usize, map.len())
+        .map_err(|e| format!("MADV_POPULATE_READ refused ({e}; it needs Linux 5.14)"))
 }
 
 struct ReadJob {
@@ -130,6 +250,8 @@ struct PinDone {
     /// Disk bytes read, or the first error of the layer.
     result: Result<u64, StreamError>,
     at: Instant,
+    /// A page-cache layer that could not be locked in RAM: why (the layer is served anyway).
+    lock_error: Option<String>,
 }
 
 /// The pinned prefix loading in the background (`TrunkOptions::background_pinned`).
@@ -163,6 +285,9 @@ struct LoadWork {
     layers: Vec<(usize, Place, usize)>,
     /// Read size of raw layers.
     piece: usize,
+    /// Page-cache layers (`TrunkOptions::pinned_page_cache`): every `Place` is a read-only
+    /// mapping of the layer, populated piece by piece and locked once complete.
+    page_cache: bool,
     /// Buffers (address, length) a helper populates ahead of the reads: the ones in fresh
     /// anonymous memory. Not those on the reserved huge-page pool: the host keeps those backed,
     /// so a reader's own fault only zeroes its page, and a helper faulting the same pages
@@ -185,6 +310,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
         manifest,
         layers,
         piece,
+        page_cache,
         populate: regions,
     } = work;
     // Build the jobs of every layer: (layer slot k, job).
@@ -195,16 +321,27 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
             buf: &'a mut [u8],
         },
         Chunk(compress::ChunkJob<'a>),
+        /// A piece of a page-cache layer's mapping: (address, length).
+        Populate(usize, usize),
     }
     let align = file.offset_align();
     let mut jobs: Vec<(usize, Job<'_>)> = Vec::new();
     let mut disk = vec![0u64; layers.len()];
     let mut failed_early: Vec<Option<StreamError>> = (0..layers.len()).map(|_| None).collect();
     for (k, (l, place, lead)) in layers.iter().enumerate() {
+        let pl = &manifest.layers[*l];
+        if page_cache {
+            // Read-only mappings: never written, so no `&mut` is made of them.
+            let (addr, len) = (place.ptr as usize, place.len);
+            disk[k] = uncached_bytes(addr, len);
+            for start in (0..len).step_by(piece.max(1)) {
+                jobs.push((k, Job::Populate(addr + start, (len - start).min(piece))));
+            }
+            continue;
+        }
         // SAFETY: see `PinLoad`: the buffer is live until this thread has been joined and
         // nothing else references it until layer `l` is reported.
         let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(place.ptr, place.len) };
-        let pl = &manifest.layers[*l];
         match (&manifest.compression, &pl.stored) {
             (Some(c), Some(stored)) => {
                 let lr = compress::LayerRead {
@@ -262,6 +399,10 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
             }
         }
     }
+    let places: Vec<(usize, usize)> = layers
+        .iter()
+        .map(|(_, p, _)| (p.ptr as usize, p.len))
+        .collect();
     let remaining: Vec<AtomicUsize> = (0..layers.len()).map(|_| AtomicUsize::new(0)).collect();
     for (k, _) in &jobs {
         remaining[*k].fetch_add(1, Ordering::Relaxed);
@@ -274,12 +415,13 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
                 layer: layers[k].0,
                 result: Err(e),
                 at: Instant::now(),
+                lock_error: None,
             });
         }
     }
     let (file, tx, cancel) = (&*file, &tx, &*cancel);
     let ids: Vec<usize> = layers.iter().map(|(l, _, _)| *l).collect();
-    let (remaining, failed, disk, ids) = (&remaining, &failed, &disk, &ids);
+    let (remaining, failed, disk, ids, places) = (&remaining, &failed, &disk, &ids, &places);
     std::thread::scope(|sc| {
         if !regions.is_empty() {
             let regions = &regions;
@@ -312,14 +454,27 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
                             })
                         }
                         Job::Chunk(j) => j.run(file),
+                        Job::Populate(addr, len) => populate_read(addr, len).map_err(|e| {
+                            StreamError::io(
+                                "read into the page cache (MADV_POPULATE_READ)",
+                                file.path(),
+                                e,
+                            )
+                        }),
                     };
                     match r {
                         Ok(()) => {
                             if remaining[k].fetch_sub(1, Ordering::AcqRel) == 1 {
+                                let lock_error = if page_cache {
+                                    keep_mapped(places[k].0, places[k].1)
+                                } else {
+                                    None
+                                };
                                 let _ = tx.send(PinDone {
                                     layer: ids[k],
                                     result: Ok(disk[k]),
                                     at: Instant::now(),
+                                    lock_error,
                                 });
                             }
                         }
@@ -329,6 +484,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
                                     layer: ids[k],
                                     result: Err(e),
                                     at: Instant::now(),
+                                    lock_error: None,
                                 });
                             }
                         }
@@ -425,13 +581,19 @@ pub struct StreamedTrunk {
     plan: TrunkPlan,
     file: Arc<DirectFile>,
     pool: Arc<ReadPool>,
-    pinned: Vec<Option<Loaded>>,
+    pinned: Vec<Option<Pinned>>,
     /// Pinned buffers the background load is filling (moved to `pinned` when reported).
-    loading: Vec<Option<Loaded>>,
+    loading: Vec<Option<Pinned>>,
     /// A background load's error for a pinned layer, returned when the layer is asked for.
     pin_errors: Vec<Option<StreamError>>,
     /// Buffers of layers whose background load failed, kept until the load thread is joined.
-    retired: Vec<Loaded>,
+    retired: Vec<Pinned>,
+    /// The pinned prefix is held in trunk.bin's page cache (mapped, populated, locked).
+    page_cache: bool,
+    /// Why a requested page-cache prefix is in buffers instead (compressed trunk, old kernel).
+    page_cache_note: Option<String>,
+    /// The first reason a page-cache layer could not be locked in RAM.
+    lock_error: Option<String>,
     bg: Option<PinLoad>,
     /// Seconds the executor waited for the background load.
     pinned_wait_seconds: f64,
@@ -634,6 +796,34 @@ impl StreamedTrunk {
             hugetlb_bytes,
             ..TrunkStats::default()
         };
+        // The pinned prefix in the page cache: raw layers only (a compressed trunk decodes its
+        // records in place, which a read-only mapping cannot take), on a kernel that populates
+        // a file mapping on request.
+        let (page_cache, page_cache_note) = if !opts.pinned_page_cache || plan.pinned_layers == 0 {
+            (false, None)
+        } else if manifest.compression.is_some() {
+            (
+                false,
+                Some(
+                    "pinned prefix in buffers, not the page cache: the trunk is compressed and \
+                     its records are decoded in place"
+                        .to_string(),
+                ),
+            )
+        } else {
+            let l0 = &manifest.layers[0];
+            match probe_populate_read(&file, l0.offset, l0.size as usize) {
+                Ok(()) => (true, None),
+                Err(e) => (
+                    false,
+                    Some(format!("pinned prefix in buffers, not the page cache: {e}")),
+                ),
+            }
+        };
+        let stats = TrunkStats {
+            pinned_page_cache: page_cache,
+            ..stats
+        };
         let mut t = Self {
             dir: dir.to_path_buf(),
             manifest: Arc::new(manifest),
@@ -645,6 +835,9 @@ impl StreamedTrunk {
             loading: (0..active).map(|_| None).collect(),
             pin_errors: (0..active).map(|_| None).collect(),
             retired: Vec::new(),
+            page_cache,
+            page_cache_note,
+            lock_error: None,
             bg: None,
             pinned_wait_seconds: 0.0,
             background: false,
@@ -689,6 +882,19 @@ impl StreamedTrunk {
         let mut populate = Vec::new();
         for &l in &todo {
             let pl = &self.manifest.layers[l];
+            if self.page_cache {
+                let map = map_pinned(&self.file, pl.offset, pl.size as usize)?;
+                layers.push((
+                    l,
+                    Place {
+                        ptr: map.as_ptr().cast_mut(),
+                        len: map.len(),
+                    },
+                    0,
+                ));
+                self.loading[l] = Some(Pinned::Mapped(map));
+                continue;
+            }
             let span = self.file.span(pl.offset, pl.size as usize);
             let mut b = AlignedBuf::new_from(span.len, self.pages).map_err(|e| {
                 StreamError::Invalid(format!(
@@ -719,7 +925,7 @@ impl StreamedTrunk {
                 },
                 lead,
             ));
-            self.loading[l] = Some(Loaded { buf: b, lead });
+            self.loading[l] = Some(Pinned::Buf(Loaded { buf: b, lead }));
         }
         let depth = self.pool.depth().max(PINNED_LOAD_DEPTH);
         let work = LoadWork {
@@ -728,6 +934,7 @@ impl StreamedTrunk {
             manifest: Arc::clone(&self.manifest),
             layers,
             piece,
+            page_cache: self.page_cache,
             populate: if std::env::var_os("K3_NO_PIN_POPULATE").is_none() {
                 populate
             } else {
@@ -764,6 +971,10 @@ impl StreamedTrunk {
         bg.outstanding = bg.outstanding.saturating_sub(1);
         bg.last = bg.last.max(d.at);
         let loaded = self.loading[d.layer].take();
+        if let Some(e) = d.lock_error {
+            self.stats.pinned_unlocked_bytes += self.manifest.layers[d.layer].size;
+            self.lock_error.get_or_insert(e);
+        }
         match d.result {
             Ok(bytes) => {
                 self.pinned[d.layer] = loaded;
@@ -890,6 +1101,15 @@ impl StreamedTrunk {
     /// trunk, how much a pass reads).
     pub fn io_line(&self) -> String {
         let mut line = self.io_mode_line();
+        if self.page_cache {
+            line.push_str(
+                "; the pinned prefix is trunk.bin's own page cache (each layer mapped read-only, \
+                 read in with MADV_POPULATE_READ, locked with mlock)",
+            );
+        } else if let Some(note) = &self.page_cache_note {
+            line.push_str("; ");
+            line.push_str(note);
+        }
         if let Some(c) = &self.manifest.compression {
             let m = &self.manifest;
             line.push_str(&format!(
@@ -944,6 +1164,13 @@ impl StreamedTrunk {
         } else {
             "4 KB pages (huge pages not advised or not available for these sizes)".to_string()
         };
+        let pages = if self.page_cache && self.plan.ring_slots == 0 {
+            "none (every active layer is pinned in the page cache)".to_string()
+        } else if self.page_cache {
+            format!("ring on {pages}")
+        } else {
+            pages
+        };
         lines.push(format!(
             "trunk buffers: {pages}; {}",
             if self.plan.shared_ring_bytes > 0 {
@@ -967,19 +1194,32 @@ impl StreamedTrunk {
                     .map(|l| self.manifest.layers[l].size)
                     .sum();
                 lines.push(format!(
-                    "pinned prefix: {} of {} layers loading in the background (queue depth {}) \
-                     while start-up and the prompt run; a layer not read yet is waited for",
+                    "pinned prefix: {} of {} layers loading {}in the background (queue depth \
+                     {}) while start-up and the prompt run; a layer not read yet is waited for",
                     fmt_bytes(bytes),
                     self.plan.pinned_layers,
+                    if self.page_cache {
+                        "into the page cache "
+                    } else {
+                        ""
+                    },
                     bg.depth
                 ));
             } else if loaded > 0 && self.pinned_load_seconds > 0.0 {
                 lines.push(format!(
-                    "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s, queue depth {})",
+                    "pinned prefix: {} loaded in {:.2} s ({:.0} MB/s, queue depth {}){}",
                     fmt_bytes(loaded),
                     self.pinned_load_seconds,
                     loaded as f64 / 1e6 / self.pinned_load_seconds,
-                    self.pinned_load_depth
+                    self.pinned_load_depth,
+                    if self.page_cache {
+                        format!(
+                            " into the page cache, {} of it from disk",
+                            fmt_bytes(self.stats.bytes_read)
+                        )
+                    } else {
+                        String::new()
+                    }
                 ));
             } else {
                 lines.push("pinned prefix: loaded on first use".to_string());
@@ -1199,8 +1439,34 @@ impl StreamedTrunk {
             return Ok(());
         }
         let pl = &self.manifest.layers[layer];
-        let span = self.file.span(pl.offset, pl.size as usize);
         let t0 = Instant::now();
+        if self.page_cache {
+            let map = map_pinned(&self.file, pl.offset, pl.size as usize)
+                .map_err(|e| weight_err(layer, e))?;
+            let bytes = uncached_bytes(map.as_ptr() as usize, map.len());
+            populate_read(map.as_ptr() as usize, map.len()).map_err(|e| {
+                weight_err(
+                    layer,
+                    StreamError::io(
+                        "read into the page cache (MADV_POPULATE_READ)",
+                        self.file.path(),
+                        e,
+                    ),
+                )
+            })?;
+            if let Some(e) = keep_mapped(map.as_ptr() as usize, map.len()) {
+                self.stats.pinned_unlocked_bytes += pl.size;
+                self.lock_error.get_or_insert(e);
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            self.pinned_load_seconds += secs;
+            self.stats.bytes_read += bytes;
+            self.stats.read_seconds += secs;
+            self.stats.wait_seconds += secs;
+            self.pinned[layer] = Some(Pinned::Mapped(map));
+            return Ok(());
+        }
+        let span = self.file.span(pl.offset, pl.size as usize);
         let mut buf =
             AlignedBuf::new_from(span.len, self.pages).map_err(|e| WeightError::Invalid {
                 name: format!("trunk layer {layer}"),
@@ -1223,7 +1489,7 @@ impl StreamedTrunk {
         self.stats.bytes_read += bytes;
         self.stats.read_seconds += secs;
         self.stats.wait_seconds += secs;
-        self.pinned[layer] = Some(Loaded { buf, lead });
+        self.pinned[layer] = Some(Pinned::Buf(Loaded { buf, lead }));
         Ok(())
     }
 }
@@ -1267,7 +1533,7 @@ impl StreamedTrunk {
         let size = self.manifest.layers.get(layer)?.size as usize;
         let decls = &self.decls[layer];
         let loaded = if self.plan.is_pinned(layer) {
-            self.pinned[layer].as_ref().map(|l| (l.buf.full(), l.lead))
+            self.pinned[layer].as_ref().map(Pinned::bytes)
         } else {
             match &self.ring {
                 Ring::Sync {
@@ -1322,6 +1588,7 @@ impl TrunkSource for StreamedTrunk {
         s.pinned_load_seconds = self.pinned_load_seconds;
         s.pinned_wait_seconds = self.pinned_wait_seconds;
         s.pinned_background = self.background;
+        s.pinned_lock_error = self.lock_error.clone();
         s
     }
 }

@@ -130,7 +130,8 @@ pub struct MemArgs {
     /// Stream embedding rows and lm_head chunks instead of keeping them resident.
     #[arg(long)]
     pub ultra_low_memory: bool,
-    /// I/O policy: direct (default), mmap, or a policy TOML file.
+    /// I/O policy: direct (default), page-cache (the pinned prefix held in trunk.bin's page
+    /// cache), mmap, or a policy TOML file.
     #[arg(long)]
     pub io: Option<String>,
     /// Where the resident weights live: mmap (default: the checkpoint's memory maps, page

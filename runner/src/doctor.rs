@@ -211,8 +211,9 @@ pub fn reserved_pool_line(m: &MemInfo, balloon: bool) -> Option<String> {
     } else if balloon {
         Some(
             "memory     a virtio balloon is present: on a VM that reports free pages, a fresh \
-             pinned prefix loads at the rate the host backs memory; `sudo sysctl \
-             vm.nr_hugepages=N` (2 MiB each, the pinned prefix's size) keeps it backed \
+             pinned prefix loads at the rate the host backs memory; `--io page-cache` holds it \
+             in trunk.bin's page cache instead (no buffer to back), or `sudo sysctl \
+             vm.nr_hugepages=N` (2 MiB each, the pinned prefix's size) keeps buffers backed \
              (docs/STREAMING.md)"
                 .to_string(),
         )
@@ -1189,6 +1190,11 @@ mod tests {
             reserved_pool_line(&none, true)
                 .expect("hint")
                 .contains("vm.nr_hugepages")
+        );
+        assert!(
+            reserved_pool_line(&none, true)
+                .expect("hint")
+                .contains("--io page-cache")
         );
         let gig = MemInfo {
             huge_page_size: 1 << 30,

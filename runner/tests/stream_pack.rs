@@ -203,6 +203,22 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
         .map(|s| s.next_multiple_of(4096))
         .max()
         .expect("layers");
+    // A compressed trunk's records are decoded in place: the page-cache policy keeps its
+    // pinned prefix in buffers, says so, and serves the same bytes.
+    let opts = TrunkOptions {
+        budget_bytes: 1 << 30,
+        pinned_page_cache: true,
+        ..TrunkOptions::default()
+    };
+    let mut t = StreamedTrunk::open(&a, &spec, &opts).expect("open compressed trunk");
+    let lines = t.startup_lines().join("\n");
+    assert!(
+        lines.contains("pinned prefix in buffers, not the page cache: the trunk is compressed"),
+        "{lines}"
+    );
+    assert!(!t.stats().pinned_page_cache);
+    check_passes(&mut t, &spec, &ck, 1);
+    drop(t);
     // The same with the pinned prefix loaded in the background: same bytes, same disk bytes.
     for budget in [1u64 << 30, one_slot] {
         let mut read = Vec::new();

@@ -75,7 +75,18 @@ fn opts(budget: u64, ring: usize) -> TrunkOptions {
         active_layers: None,
         // as the default I/O policy: the reserved pool when the system has one
         pages: k3_run::stream::aligned::PageSource::ReservedFirst,
+        pinned_page_cache: false,
     }
+}
+
+/// Drop trunk.bin's pages from the page cache (written back first, so they are clean).
+fn evict(trunk: &std::path::Path) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(trunk.join("trunk.bin")).expect("trunk.bin");
+    f.sync_all().expect("sync");
+    // SAFETY: fadvise on an open descriptor; it only drops clean cached pages.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
 }
 
 #[test]
@@ -303,6 +314,87 @@ fn background_pinned_load_serves_the_same_bytes() {
         o.background_pinned = true;
         let t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
         drop(t);
+    }
+}
+
+/// The I/O policy's `pinned = "page-cache"`: the pinned layers are trunk.bin's page-cache
+/// pages, mapped read-only. At every budget, loaded in `open`, in the background or on first
+/// use, every layer asked in any order is the checkpoint's bytes; the disk bytes are the
+/// pinned layers' pages that were not cached (all of them after an eviction, none while
+/// another trunk holds them); the ring still reads with O_DIRECT.
+#[test]
+fn page_cache_pinned_prefix_serves_the_same_bytes() {
+    let f = fixture("trunk_page_cache");
+    let ck = open_ckpt(&f.model, &f.spec);
+    let n = f.sizes.len();
+    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
+    let manifest = TrunkManifest::load(&f.trunk, &f.spec).expect("manifest");
+    let page = 4096u64;
+    // The pinned layers' pages (layers start 4096-aligned in the pack).
+    let pages_of = |k: usize| -> u64 {
+        manifest.layers[..k]
+            .iter()
+            .map(|l| l.size.div_ceil(page) * page)
+            .sum()
+    };
+    for (what, budget, ring) in [
+        ("all pinned", prefix(n), 2),
+        ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 2),
+        ("some pinned, 1 slot", prefix(4) + max_from(4), 1),
+        ("none pinned, 2 slots", 2 * max_from(0), 2),
+    ] {
+        for (how, background, preload) in [
+            ("in open", false, true),
+            ("in the background", true, true),
+            ("on first use", false, false),
+        ] {
+            evict(&f.trunk);
+            let mut o = opts(budget, ring);
+            o.pinned_page_cache = true;
+            o.background_pinned = background;
+            o.preload_pinned = preload;
+            let mut t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
+            let pinned = t.plan().pinned_layers;
+            let lines = t.startup_lines().join("\n");
+            assert_eq!(
+                lines.contains("the pinned prefix is trunk.bin's own page cache"),
+                pinned > 0,
+                "{what}, {how}: {lines}"
+            );
+            // The last pinned layer first, then the rest backwards, then cyclic passes.
+            let backwards: Vec<usize> = (0..pinned).rev().collect();
+            check_layers(&mut t, &ck, &backwards);
+            let s = t.stats();
+            assert_eq!(s.pinned_page_cache, pinned > 0, "{what}, {how}");
+            // The eviction may leave a few pages (the kernel skips pages it has in per-CPU
+            // batches): at least 90% and never more than the pinned layers' pages.
+            let want = pages_of(pinned);
+            assert!(
+                s.bytes_read <= want && s.bytes_read * 10 >= want * 9,
+                "{what}, {how}: disk bytes {} for {want} bytes of pinned pages after an eviction",
+                s.bytes_read
+            );
+            assert_eq!(
+                s.pinned_lock_error.is_some(),
+                s.pinned_unlocked_bytes > 0,
+                "{what}, {how}: {s:?}"
+            );
+            check_passes(&mut t, &f.spec, &ck, 2);
+            if pinned > 0 {
+                // A second trunk while this one holds the pages reads none of them.
+                let mut o2 = opts(budget, ring);
+                o2.pinned_page_cache = true;
+                let mut t2 = StreamedTrunk::open(&f.trunk, &f.spec, &o2).expect("open again");
+                assert_eq!(t2.stats().bytes_read, 0, "{what}, {how}: cached prefix");
+                check_passes(&mut t2, &f.spec, &ck, 1);
+            }
+            if pinned < n {
+                assert!(
+                    t.stats().bytes_read > s.bytes_read,
+                    "{what}, {how}: the ring reads"
+                );
+            }
+        }
     }
 }
 

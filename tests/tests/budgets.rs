@@ -1,7 +1,7 @@
 //! Proof of identical output at every memory setting (NUMERICS.md §1, issue 4): the same
 //! request resident, with a packed trunk at several budgets (0 pinned, some pinned, all
-//! pinned), 1 and 2+ ring slots, expert-cache sizes from zero to everything, ultra-low-memory
-//! and the plain-mmap I/O policy gives identical generated ids and identical first-step logit
+//! pinned), 1 and 2+ ring slots, expert-cache sizes from zero to everything, ultra-low-memory,
+//! the pinned prefix in the page cache and the plain-mmap I/O policy gives identical generated ids and identical first-step logit
 //! bits. Models are synthetic, written under target/ (not tmpfs, where O_DIRECT alignment bugs
 //! hide).
 
@@ -90,6 +90,24 @@ fn check_trunk(name: &str, model: &Path, trunk: &Path, compressed: bool) {
         mm.io = IoPolicy::mmap();
         cases.push(("mmap I/O policy".into(), mm));
     }
+    // The pinned prefix in the page cache (raw trunks; a compressed one keeps buffers).
+    for (label, budget, ring) in [
+        (
+            "page-cache pinned prefix, some pinned, ring 2",
+            total / 2 + 2 * largest,
+            2,
+        ),
+        (
+            "page-cache pinned prefix, some pinned, ring 1",
+            total / 2 + largest,
+            1,
+        ),
+        ("page-cache pinned prefix, all pinned", total + largest, 2),
+    ] {
+        let mut pc = streamed(budget, ring, Some(20_000));
+        pc.io = IoPolicy::page_cache();
+        cases.push((label.into(), pc));
+    }
     let mut seen_pins = Vec::new();
     for (label, s) in &cases {
         let (got, tstats, estats) = run_with(&model, s, &PROMPT, N_GEN, 2);
@@ -114,6 +132,13 @@ fn check_trunk(name: &str, model: &Path, trunk: &Path, compressed: bool) {
             assert!(
                 tstats.shared_ring_bytes > 0 && tstats.ring_slots == 1 && tstats.reader_thread,
                 "{name}: {label}: expected a shared ring read ahead by the reader thread: {tstats:?}"
+            );
+        }
+        if label.starts_with("page-cache") {
+            assert!(tstats.pinned_layers > 0, "{name}: {label}: {tstats:?}");
+            assert_eq!(
+                tstats.pinned_page_cache, !compressed,
+                "{name}: {label}: {tstats:?}"
             );
         }
         if s.cache_budget_bytes == Some(0) {

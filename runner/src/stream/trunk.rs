@@ -213,12 +213,20 @@ fn keep_mapped(addr: usize, len: usize) -> Option<String> {
     }
 }
 
-/// Whether this kernel takes `MADV_POPULATE_READ` on a mapping of `file` (one page at
-/// `offset`); the error when it does not.
+/// Whether this kernel knows `MADV_POPULATE_READ`; the error when it does not. The advice is
+/// given for an empty range of a mapping of `file` (one page at `offset`): the kernel checks
+/// the advice before the length, and reads nothing.
 fn probe_populate_read(file: &DirectFile, offset: u64, len: usize) -> Result<(), String> {
-    let map = map_range(file, offset, len.min(page_size())).map_err(|e| e.to_string())?;
-    populate_read(map.as_ptr() as usize, map.len())
-        .map_err(|e| format!("MADV_POPULATE_READ refused ({e}; it needs Linux 5.14)"))
+    let map = map_range(file, offset, len.clamp(1, page_size())).map_err(|e| e.to_string())?;
+    let (start, _) = page_range(map.as_ptr() as usize, 0);
+    // SAFETY: an empty range at the start of a live mapping: nothing is read or changed.
+    if unsafe { libc::madvise(start as *mut libc::c_void, 0, MADV_POPULATE_READ) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(format!(
+            "MADV_POPULATE_READ refused ({e}; it needs Linux 5.14)"
+        ));
+    }
+    Ok(())
 }
 
 struct ReadJob {

@@ -171,18 +171,27 @@ fn uncached_bytes(addr: usize, len: usize) -> u64 {
     (resident.iter().filter(|&&v| v & 1 == 0).count() * page).min(len) as u64
 }
 
+/// `MADV_WILLNEED` steps of [`populate_read`]: the kernel reads at most
+/// max(read-ahead window, largest device request) per call, 128 KiB-8 MiB and 1280 KiB-4 MiB
+/// on common systems, so a step of 1 MiB is read whole almost everywhere.
+const WILLNEED_STEP: usize = 1 << 20;
+
 /// Read `[addr, addr + len)` of a live read-only file mapping into the page cache and map it.
-/// The mapping is advised `MADV_RANDOM`, so a fault reads only its own page: the range is
-/// first asked for with `MADV_WILLNEED`, which reads exactly it (in one request where the
-/// device allows), and the populate then waits for those reads. Without that, each fault
-/// would read the device's whole read-ahead window around it (8 MiB on the development VM):
-/// 16 faults in flight would queue 128 MiB in front of the prompt's expert reads.
+/// The range is first asked for with `MADV_WILLNEED` in [`WILLNEED_STEP`]s, which start reads
+/// of exactly those pages and return, and the populate then waits for them and maps them. A
+/// fault on a page already in the page cache (or being read) reads nothing more; without the
+/// advice, each fault would read the device's whole read-ahead window around it (8 MiB on the
+/// development VM: 16 faults in flight queued 128 MiB in front of the prompt's expert reads).
+/// A page the advice did not reach is read by its fault, with the normal read-around.
 fn populate_read(addr: usize, len: usize) -> std::io::Result<()> {
     let (start, len) = page_range(addr, len);
     // SAFETY: the range lies inside a live mapping owned by the caller (see `PinLoad`);
     // WILLNEED and POPULATE_READ only read the file's pages in and map them.
     unsafe {
-        libc::madvise(start as *mut libc::c_void, len, libc::MADV_WILLNEED);
+        for off in (0..len).step_by(WILLNEED_STEP) {
+            let n = WILLNEED_STEP.min(len - off);
+            libc::madvise((start + off) as *mut libc::c_void, n, libc::MADV_WILLNEED);
+        }
         if libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_READ) != 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -190,26 +199,16 @@ fn populate_read(addr: usize, len: usize) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Map pinned layer bytes `[offset, offset + len)` of `file` for [`populate_read`].
-fn map_pinned(file: &DirectFile, offset: u64, len: usize) -> Result<memmap2::Mmap, StreamError> {
-    let map = map_range(file, offset, len)?;
-    // Advice only: a refusal leaves read-around on, which is slower but reads the same bytes.
-    let _ = map.advise(memmap2::Advice::Random);
-    Ok(map)
-}
-
 /// A page-cache layer read in completely: `mlock` it so it stays in RAM (its pages are in:
-/// nothing is read), and give its mapping back the normal read-around, for the pages of a
-/// layer that could not be locked and is evicted later. Returns why the lock was refused.
+/// nothing is read). Returns why the lock was refused.
 fn keep_mapped(addr: usize, len: usize) -> Option<String> {
     let (start, len) = page_range(addr, len);
-    // SAFETY: the range lies inside a live mapping owned by the caller; neither call changes
+    // SAFETY: the range lies inside a live mapping owned by the caller; mlock does not change
     // the memory's contents.
-    unsafe {
-        let locked = libc::mlock(start as *const libc::c_void, len) == 0;
-        let err = (!locked).then(|| std::io::Error::last_os_error().to_string());
-        libc::madvise(start as *mut libc::c_void, len, libc::MADV_NORMAL);
-        err
+    if unsafe { libc::mlock(start as *const libc::c_void, len) } == 0 {
+        None
+    } else {
+        Some(std::io::Error::last_os_error().to_string())
     }
 }
 
@@ -891,7 +890,7 @@ impl StreamedTrunk {
         for &l in &todo {
             let pl = &self.manifest.layers[l];
             if self.page_cache {
-                let map = map_pinned(&self.file, pl.offset, pl.size as usize)?;
+                let map = map_range(&self.file, pl.offset, pl.size as usize)?;
                 layers.push((
                     l,
                     Place {
@@ -1449,7 +1448,7 @@ impl StreamedTrunk {
         let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
         if self.page_cache {
-            let map = map_pinned(&self.file, pl.offset, pl.size as usize)
+            let map = map_range(&self.file, pl.offset, pl.size as usize)
                 .map_err(|e| weight_err(layer, e))?;
             let bytes = uncached_bytes(map.as_ptr() as usize, map.len());
             populate_read(map.as_ptr() as usize, map.len()).map_err(|e| {

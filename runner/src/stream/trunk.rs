@@ -100,6 +100,13 @@ pub const PINNED_LOAD_DEPTH: usize = 16;
 /// (docs/PERFORMANCE.md, "Fourteenth session").
 pub const PINNED_BACKGROUND_PIECE: usize = 1 << 20;
 
+/// Queue depth of a background pinned load into the page cache (in [`READ_PIECE`]s). Each
+/// fault of a mapping advised `MADV_HUGEPAGE` reads a 4 MiB window, and the load shares the
+/// disk with the prompt's expert reads. k3-mini, all pinned, `--gen 1`, page cache dropped and
+/// 12 s idle before each run, 5 rounds: time to first token median 2.58 s at depth 4, 3.05 s
+/// at 2, 3.40 s at 16, and 2.94 s for buffers (docs/PERFORMANCE.md, "Eighteenth session").
+pub const PAGE_CACHE_BACKGROUND_DEPTH: usize = 4;
+
 /// A loaded layer: the buffer and where the layer's first byte sits in it.
 #[derive(Debug)]
 struct Loaded {
@@ -171,32 +178,62 @@ fn uncached_bytes(addr: usize, len: usize) -> u64 {
     (resident.iter().filter(|&&v| v & 1 == 0).count() * page).min(len) as u64
 }
 
-/// `MADV_WILLNEED` steps of [`populate_read`]: the kernel reads at most
+/// `MADV_WILLNEED` steps of [`populate_read`] without huge pages: the kernel reads at most
 /// max(read-ahead window, largest device request) per call, 128 KiB-8 MiB and 1280 KiB-4 MiB
 /// on common systems, so a step of 1 MiB is read whole almost everywhere.
 const WILLNEED_STEP: usize = 1 << 20;
 
 /// Read `[addr, addr + len)` of a live read-only file mapping into the page cache and map it.
-/// The range is first asked for with `MADV_WILLNEED` in [`WILLNEED_STEP`]s, which start reads
-/// of exactly those pages and return, and the populate then waits for them and maps them. A
-/// fault on a page already in the page cache (or being read) reads nothing more; without the
-/// advice, each fault would read the device's whole read-ahead window around it (8 MiB on the
-/// development VM: 16 faults in flight queued 128 MiB in front of the prompt's expert reads).
-/// A page the advice did not reach is read by its fault, with the normal read-around.
-fn populate_read(addr: usize, len: usize) -> std::io::Result<()> {
+///
+/// With `huge` (the mapping is advised `MADV_HUGEPAGE`), each fault reads an aligned 4 MiB
+/// window into 2 MiB folios where the filesystem has large folios (ext4 since Linux 6.16, xfs),
+/// and the populate maps them with 2 MiB entries: decode then reads the prefix with as few TLB
+/// misses as from 2 MiB-page buffers (4 KiB pages cost k3-mini's all-pinned decode ~10%).
+///
+/// Without it, faults would read the device's read-ahead window around each of them (8 MiB
+/// on the development VM, 128 KiB on many systems). So the range is first asked for with
+/// `MADV_WILLNEED` in [`WILLNEED_STEP`]s, which start reads of exactly those pages (in 4 KiB
+/// folios) and return; the populate then waits for them. A page the advice did not reach is
+/// read by its fault, with the normal read-around.
+fn populate_read(addr: usize, len: usize, huge: bool) -> std::io::Result<()> {
     let (start, len) = page_range(addr, len);
     // SAFETY: the range lies inside a live mapping owned by the caller (see `PinLoad`);
     // WILLNEED and POPULATE_READ only read the file's pages in and map them.
     unsafe {
-        for off in (0..len).step_by(WILLNEED_STEP) {
-            let n = WILLNEED_STEP.min(len - off);
-            libc::madvise((start + off) as *mut libc::c_void, n, libc::MADV_WILLNEED);
+        if !huge {
+            for off in (0..len).step_by(WILLNEED_STEP) {
+                let n = WILLNEED_STEP.min(len - off);
+                libc::madvise((start + off) as *mut libc::c_void, n, libc::MADV_WILLNEED);
+            }
         }
         if libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_READ) != 0 {
             return Err(std::io::Error::last_os_error());
         }
     }
     Ok(())
+}
+
+/// Whether transparent huge pages can back a mapping advised `MADV_HUGEPAGE` (the system's
+/// setting is not `never`).
+fn thp_advisable() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| !s.contains("[never]"))
+}
+
+/// Map pinned layer bytes of `file` for [`populate_read`], advised `MADV_HUGEPAGE` with
+/// `huge`.
+fn map_pinned(
+    file: &DirectFile,
+    offset: u64,
+    len: usize,
+    huge: bool,
+) -> Result<memmap2::Mmap, StreamError> {
+    let map = map_range(file, offset, len)?;
+    if huge {
+        // Advice only: a refusal leaves 4 KiB pages, the same bytes.
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
+    Ok(map)
 }
 
 /// A page-cache layer read in completely: `mlock` it so it stays in RAM (its pages are in:
@@ -295,6 +332,8 @@ struct LoadWork {
     /// Page-cache layers (`TrunkOptions::pinned_page_cache`): every `Place` is a read-only
     /// mapping of the layer, populated piece by piece and locked once complete.
     page_cache: bool,
+    /// The page-cache mappings are advised `MADV_HUGEPAGE` (see [`populate_read`]).
+    huge: bool,
     /// Buffers (address, length) a helper populates ahead of the reads: the ones in fresh
     /// anonymous memory. Not those on the reserved huge-page pool: the host keeps those backed,
     /// so a reader's own fault only zeroes its page, and a helper faulting the same pages
@@ -318,6 +357,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
         layers,
         piece,
         page_cache,
+        huge,
         populate: regions,
     } = work;
     // Build the jobs of every layer: (layer slot k, job).
@@ -461,7 +501,7 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
                             })
                         }
                         Job::Chunk(j) => j.run(file),
-                        Job::Populate(addr, len) => populate_read(addr, len).map_err(|e| {
+                        Job::Populate(addr, len) => populate_read(addr, len, huge).map_err(|e| {
                             StreamError::io(
                                 "read into the page cache (MADV_POPULATE_READ)",
                                 file.path(),
@@ -599,6 +639,11 @@ pub struct StreamedTrunk {
     page_cache: bool,
     /// Why a requested page-cache prefix is in buffers instead (compressed trunk, old kernel).
     page_cache_note: Option<String>,
+    /// The page-cache mappings are advised `MADV_HUGEPAGE` (see [`populate_read`]).
+    page_cache_huge: bool,
+    /// Page-cache layers loaded on first use: each pinned layer's bytes not cached when the
+    /// first of them was asked for (empty before that).
+    lazy_uncached: Vec<u64>,
     /// The first reason a page-cache layer could not be locked in RAM.
     lock_error: Option<String>,
     bg: Option<PinLoad>,
@@ -844,6 +889,8 @@ impl StreamedTrunk {
             retired: Vec::new(),
             page_cache,
             page_cache_note,
+            page_cache_huge: page_cache && thp_advisable(),
+            lazy_uncached: Vec::new(),
             lock_error: None,
             bg: None,
             pinned_wait_seconds: 0.0,
@@ -871,13 +918,18 @@ impl StreamedTrunk {
 
     /// Start loading the pinned prefix on background threads (see [`PinLoad`]).
     fn start_background_load(&mut self) -> Result<(), StreamError> {
-        self.background = self.start_load(PINNED_BACKGROUND_PIECE)?;
+        let piece = if self.page_cache {
+            READ_PIECE
+        } else {
+            PINNED_BACKGROUND_PIECE
+        };
+        self.background = self.start_load(piece, true)?;
         Ok(())
     }
 
     /// Allocate every pinned buffer not loaded yet and start [`background_load`] on its own
     /// thread, raw layers in `piece`-byte reads; false when nothing is left to load.
-    fn start_load(&mut self, piece: usize) -> Result<bool, StreamError> {
+    fn start_load(&mut self, piece: usize, background: bool) -> Result<bool, StreamError> {
         let todo: Vec<usize> = (0..self.plan.pinned_layers)
             .filter(|&l| self.pinned[l].is_none() && self.loading[l].is_none())
             .collect();
@@ -890,7 +942,12 @@ impl StreamedTrunk {
         for &l in &todo {
             let pl = &self.manifest.layers[l];
             if self.page_cache {
-                let map = map_range(&self.file, pl.offset, pl.size as usize)?;
+                let map = map_pinned(
+                    &self.file,
+                    pl.offset,
+                    pl.size as usize,
+                    self.page_cache_huge,
+                )?;
                 layers.push((
                     l,
                     Place {
@@ -934,7 +991,11 @@ impl StreamedTrunk {
             ));
             self.loading[l] = Some(Pinned::Buf(Loaded { buf: b, lead }));
         }
-        let depth = self.pool.depth().max(PINNED_LOAD_DEPTH);
+        let depth = if self.page_cache && background {
+            PAGE_CACHE_BACKGROUND_DEPTH
+        } else {
+            self.pool.depth().max(PINNED_LOAD_DEPTH)
+        };
         let work = LoadWork {
             pool: ReadPool::new(depth)?,
             file: Arc::clone(&self.file),
@@ -942,6 +1003,7 @@ impl StreamedTrunk {
             layers,
             piece,
             page_cache: self.page_cache,
+            huge: self.page_cache_huge,
             populate: if std::env::var_os("K3_NO_PIN_POPULATE").is_none() {
                 populate
             } else {
@@ -1051,7 +1113,7 @@ impl StreamedTrunk {
     pub fn load_pinned(&mut self) -> Result<f64, StreamError> {
         let t0 = Instant::now();
         let before = self.pinned_load_seconds;
-        self.start_load(READ_PIECE)?;
+        self.start_load(READ_PIECE, false)?;
         while let Some(bg) = &self.bg {
             match bg.done.recv() {
                 Ok(d) => self.take_pin_done(d),
@@ -1441,6 +1503,18 @@ impl StreamedTrunk {
         }
     }
 
+    /// Per pinned layer, its bytes not in the page cache now.
+    fn uncached_pinned_layers(&self) -> Result<Vec<u64>, WeightError> {
+        (0..self.plan.pinned_layers)
+            .map(|l| {
+                let pl = &self.manifest.layers[l];
+                let map = map_range(&self.file, pl.offset, pl.size as usize)
+                    .map_err(|e| weight_err(l, e))?;
+                Ok(uncached_bytes(map.as_ptr() as usize, map.len()))
+            })
+            .collect()
+    }
+
     fn load_pinned_one(&mut self, layer: usize) -> Result<(), WeightError> {
         if self.pinned[layer].is_some() {
             return Ok(());
@@ -1448,10 +1522,20 @@ impl StreamedTrunk {
         let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
         if self.page_cache {
-            let map = map_range(&self.file, pl.offset, pl.size as usize)
-                .map_err(|e| weight_err(layer, e))?;
-            let bytes = uncached_bytes(map.as_ptr() as usize, map.len());
-            populate_read(map.as_ptr() as usize, map.len()).map_err(|e| {
+            let map = map_pinned(
+                &self.file,
+                pl.offset,
+                pl.size as usize,
+                self.page_cache_huge,
+            )
+            .map_err(|e| weight_err(layer, e))?;
+            // Taken for every pinned layer at the first one: a fault's read window reaches
+            // into the layers after it, which would then count as cached.
+            if self.lazy_uncached.is_empty() {
+                self.lazy_uncached = self.uncached_pinned_layers()?;
+            }
+            let bytes = self.lazy_uncached[layer];
+            populate_read(map.as_ptr() as usize, map.len(), self.page_cache_huge).map_err(|e| {
                 weight_err(
                     layer,
                     StreamError::io(

@@ -211,10 +211,10 @@ pub fn reserved_pool_line(m: &MemInfo, balloon: bool) -> Option<String> {
     } else if balloon {
         Some(
             "memory     a virtio balloon is present: on a VM that reports free pages, a fresh \
-             pinned prefix loads at the rate the host backs memory; `--io page-cache` holds it \
-             in trunk.bin's page cache instead (no buffer to back), or `sudo sysctl \
-             vm.nr_hugepages=N` (2 MiB each, the pinned prefix's size) keeps buffers backed \
-             (docs/STREAMING.md)"
+             pinned prefix loads at the rate the host backs memory; `sudo sysctl \
+             vm.nr_hugepages=N` (2 MiB each, the pinned prefix's size) keeps its buffers \
+             backed, and `--io page-cache` keeps it in trunk.bin's page cache, where the next \
+             run finds it (docs/STREAMING.md)"
                 .to_string(),
         )
     } else {

@@ -42,6 +42,20 @@ impl Fixture {
     fn prefix(&self, k: usize) -> u64 {
         self.sizes[..k].iter().sum()
     }
+
+    /// (what, budget, ring slots) with a pinned prefix: all layers, and 4 beside 2 and 1 slots.
+    fn pinned_cases(&self) -> [(&'static str, u64, usize); 3] {
+        let n = self.sizes.len();
+        [
+            ("all pinned", self.prefix(n), 2),
+            (
+                "some pinned, 2 slots",
+                self.prefix(4) + 2 * self.max_from(4),
+                2,
+            ),
+            ("some pinned, 1 slot", self.prefix(4) + self.max_from(4), 1),
+        ]
+    }
 }
 
 fn fixture(name: &str) -> Fixture {
@@ -274,12 +288,7 @@ fn background_pinned_load_serves_the_same_bytes() {
     let f = fixture("trunk_background");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();
-    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
-    for (what, budget, ring) in [
-        ("all pinned", prefix(n), 2),
-        ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 2),
-        ("some pinned, 1 slot", prefix(4) + max_from(4), 1),
-    ] {
+    for (what, budget, ring) in f.pinned_cases() {
         let mut read = Vec::new();
         for background in [false, true] {
             let mut o = opts(budget, ring);
@@ -310,7 +319,7 @@ fn background_pinned_load_serves_the_same_bytes() {
         );
     }
     for _ in 0..3 {
-        let mut o = opts(prefix(n), 2);
+        let mut o = opts(f.prefix(n), 2);
         o.background_pinned = true;
         let t = StreamedTrunk::open(&f.trunk, &f.spec, &o).expect("open");
         drop(t);
@@ -327,22 +336,9 @@ fn page_cache_pinned_prefix_serves_the_same_bytes() {
     let f = fixture("trunk_page_cache");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();
-    let (max_from, prefix) = (|k| f.max_from(k), |k| f.prefix(k));
-    let manifest = TrunkManifest::load(&f.trunk, &f.spec).expect("manifest");
-    let page = 4096u64;
-    // The pinned layers' pages (layers start 4096-aligned in the pack).
-    let pages_of = |k: usize| -> u64 {
-        manifest.layers[..k]
-            .iter()
-            .map(|l| l.size.div_ceil(page) * page)
-            .sum()
-    };
-    for (what, budget, ring) in [
-        ("all pinned", prefix(n), 2),
-        ("some pinned, 2 slots", prefix(4) + 2 * max_from(4), 2),
-        ("some pinned, 1 slot", prefix(4) + max_from(4), 1),
-        ("none pinned, 2 slots", 2 * max_from(0), 2),
-    ] {
+    let mut cases = f.pinned_cases().to_vec();
+    cases.push(("none pinned, 2 slots", 2 * f.max_from(0), 2));
+    for (what, budget, ring) in cases {
         for (how, background, preload) in [
             ("in open", false, true),
             ("in the background", true, true),
@@ -368,7 +364,8 @@ fn page_cache_pinned_prefix_serves_the_same_bytes() {
             assert_eq!(s.pinned_page_cache, pinned > 0, "{what}, {how}");
             // The eviction may leave a few pages (the kernel skips pages it has in per-CPU
             // batches): at least 90% and never more than the pinned layers' pages.
-            let want = pages_of(pinned);
+            // The pinned layers' pages (they start 4096-aligned in the pack).
+            let want = f.prefix(pinned);
             assert!(
                 s.bytes_read <= want && s.bytes_read * 10 >= want * 9,
                 "{what}, {how}: disk bytes {} for {want} bytes of pinned pages after an eviction",

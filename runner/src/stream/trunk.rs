@@ -213,6 +213,15 @@ fn populate_read(addr: usize, len: usize, huge: bool) -> std::io::Result<()> {
     Ok(())
 }
 
+/// A failed [`populate_read`] of `file` (EFAULT: the read failed).
+fn populate_error(file: &DirectFile, e: std::io::Error) -> StreamError {
+    StreamError::io(
+        "read into the page cache (MADV_POPULATE_READ)",
+        file.path(),
+        e,
+    )
+}
+
 /// Whether transparent huge pages can back a mapping advised `MADV_HUGEPAGE` (the system's
 /// setting is not `never`).
 fn thp_advisable() -> bool {
@@ -501,13 +510,9 @@ fn background_load(work: LoadWork, cancel: Arc<AtomicBool>, tx: mpsc::Sender<Pin
                             })
                         }
                         Job::Chunk(j) => j.run(file),
-                        Job::Populate(addr, len) => populate_read(addr, len, huge).map_err(|e| {
-                            StreamError::io(
-                                "read into the page cache (MADV_POPULATE_READ)",
-                                file.path(),
-                                e,
-                            )
-                        }),
+                        Job::Populate(addr, len) => {
+                            populate_read(addr, len, huge).map_err(|e| populate_error(file, e))
+                        }
                     };
                     match r {
                         Ok(()) => {
@@ -942,12 +947,7 @@ impl StreamedTrunk {
         for &l in &todo {
             let pl = &self.manifest.layers[l];
             if self.page_cache {
-                let map = map_pinned(
-                    &self.file,
-                    pl.offset,
-                    pl.size as usize,
-                    self.page_cache_huge,
-                )?;
+                let map = self.map_layer(l)?;
                 layers.push((
                     l,
                     Place {
@@ -1503,6 +1503,26 @@ impl StreamedTrunk {
         }
     }
 
+    /// Pinned layer `l`'s bytes of trunk.bin mapped for [`populate_read`].
+    fn map_layer(&self, l: usize) -> Result<memmap2::Mmap, StreamError> {
+        let pl = &self.manifest.layers[l];
+        map_pinned(
+            &self.file,
+            pl.offset,
+            pl.size as usize,
+            self.page_cache_huge,
+        )
+    }
+
+    /// A pinned layer loaded on first use since `t0`, `bytes` of it from disk.
+    fn count_pinned_load(&mut self, t0: Instant, bytes: u64) {
+        let secs = t0.elapsed().as_secs_f64();
+        self.pinned_load_seconds += secs;
+        self.stats.bytes_read += bytes;
+        self.stats.read_seconds += secs;
+        self.stats.wait_seconds += secs;
+    }
+
     /// Per pinned layer, its bytes not in the page cache now.
     fn uncached_pinned_layers(&self) -> Result<Vec<u64>, WeightError> {
         (0..self.plan.pinned_layers)
@@ -1522,38 +1542,20 @@ impl StreamedTrunk {
         let pl = &self.manifest.layers[layer];
         let t0 = Instant::now();
         if self.page_cache {
-            let map = map_pinned(
-                &self.file,
-                pl.offset,
-                pl.size as usize,
-                self.page_cache_huge,
-            )
-            .map_err(|e| weight_err(layer, e))?;
+            let map = self.map_layer(layer).map_err(|e| weight_err(layer, e))?;
             // Taken for every pinned layer at the first one: a fault's read window reaches
             // into the layers after it, which would then count as cached.
             if self.lazy_uncached.is_empty() {
                 self.lazy_uncached = self.uncached_pinned_layers()?;
             }
             let bytes = self.lazy_uncached[layer];
-            populate_read(map.as_ptr() as usize, map.len(), self.page_cache_huge).map_err(|e| {
-                weight_err(
-                    layer,
-                    StreamError::io(
-                        "read into the page cache (MADV_POPULATE_READ)",
-                        self.file.path(),
-                        e,
-                    ),
-                )
-            })?;
+            populate_read(map.as_ptr() as usize, map.len(), self.page_cache_huge)
+                .map_err(|e| weight_err(layer, populate_error(&self.file, e)))?;
             if let Some(e) = keep_mapped(map.as_ptr() as usize, map.len()) {
                 self.stats.pinned_unlocked_bytes += pl.size;
                 self.lock_error.get_or_insert(e);
             }
-            let secs = t0.elapsed().as_secs_f64();
-            self.pinned_load_seconds += secs;
-            self.stats.bytes_read += bytes;
-            self.stats.read_seconds += secs;
-            self.stats.wait_seconds += secs;
+            self.count_pinned_load(t0, bytes);
             self.pinned[layer] = Some(Pinned::Mapped(map));
             return Ok(());
         }
@@ -1575,11 +1577,7 @@ impl StreamedTrunk {
             buf.full_mut(),
         )
         .map_err(|e| weight_err(layer, e))?;
-        let secs = t0.elapsed().as_secs_f64();
-        self.pinned_load_seconds += secs;
-        self.stats.bytes_read += bytes;
-        self.stats.read_seconds += secs;
-        self.stats.wait_seconds += secs;
+        self.count_pinned_load(t0, bytes);
         self.pinned[layer] = Some(Pinned::Buf(Loaded { buf, lead }));
         Ok(())
     }

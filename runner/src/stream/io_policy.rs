@@ -1,7 +1,8 @@
 //! I/O policies: how the packed trunk and the routed experts are read.
 //!
-//! Owns: parsing `configs/io/*.toml` (unknown keys refused); the built-in `direct` (default)
-//! and `mmap` (page-cache comparison for the benchmark) policies.
+//! Owns: parsing `configs/io/*.toml` (unknown keys refused); the built-in `direct` (default),
+//! `page-cache` (direct with the pinned prefix in trunk.bin's page cache) and `mmap`
+//! (page-cache comparison for the benchmark) policies.
 //! Must not: open files (the trunk and expert store do).
 //! Follows upstream: SYSTEM.md §3 (O_DIRECT, 2 MB pages) and issue 4 ("the same model through
 //! a plain mmap + page-cache path ... to show what the pinned prefix + O_DIRECT design buys").

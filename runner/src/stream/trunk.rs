@@ -8,8 +8,11 @@
 //! synchronous and no reader thread is ever started (it would overwrite the layer being
 //! computed: wrong tokens, no error). Every layer read is split into 4 MiB pieces issued in
 //! parallel on a read pool (queue depth `read_threads`), used only by whoever is reading: the
-//! caller inside `layer()` with one slot, the reader thread with two or more. Also
-//! [`MmapTrunk`], the page-cache comparison policy.
+//! caller inside `layer()` with one slot, the reader thread with two or more. With the I/O
+//! policy's `pinned = "page-cache"` the pinned layers are trunk.bin's own page-cache pages
+//! instead of buffers: mapped read-only, read in with `MADV_POPULATE_READ`, locked with `mlock`
+//! (docs/STREAMING.md, "The pinned prefix in the page cache"). Also [`MmapTrunk`], the
+//! page-cache comparison policy.
 //! Must not: change bytes (views are the packed bytes), or keep a view alive past the next
 //! `layer()` call (the trait's contract; buffers move between threads only by ownership
 //! transfer through channels, so the reader can never write a buffer the executor reads).

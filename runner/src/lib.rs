@@ -12,6 +12,7 @@ pub mod budget;
 pub mod chat;
 pub mod checkpoint;
 pub mod cli;
+pub mod digest;
 pub mod doctor;
 pub mod exec;
 pub mod plan;

@@ -12,8 +12,12 @@
 //! `--expect-bytes`, `--release kimi-k3`), are compared too: the shard count, the exact total
 //! and every listed file's size. Only headers are read and files stat'ed: no tensor data is
 //! read or hashed, so the 1.56 TB release is checked in seconds.
-//! Must not: read tensor data, know about models (that is `k3-run budget` / the spec check at
-//! open).
+//! With `--hash` and a Hugging Face tree listing as `--sizes`, every listed file that passed
+//! those checks is then read whole and its content compared with the listing's digest
+//! (`crate::digest`: SHA-256 for LFS files, the git blob id for the others), which finds what
+//! sizes cannot: a flipped or zeroed byte.
+//! Must not: read tensor data without `--hash`, know about models (that is `k3-run budget` /
+//! the spec check at open).
 //!
 //! Output follows the C engine's download script (seed 002): `shards : 96 (expect 96)`,
 //! `bytes  : N (expect N)`, `shards : all 96 match ... individually`, then
@@ -28,6 +32,7 @@ use clap::Args;
 
 use crate::checkpoint::{self, CheckpointError, INDEX_FILE, SINGLE_FILE};
 use crate::cli::{Failure, exit};
+use crate::digest::{self, Digest};
 
 /// Exit code of a check that found a mismatch (SYSTEM.md §6 code 1: the files are not the
 /// model's).
@@ -71,6 +76,24 @@ pub struct VerifyArgs {
     /// 1560936091448 bytes).
     #[arg(long, value_parser = ["kimi-k3"], conflicts_with_all = ["expect_shards", "expect_bytes"])]
     pub release: Option<String>,
+    /// Also read every published file whole and compare its content with the digest the
+    /// --sizes tree listing gives (`lfs.oid`, SHA-256, for LFS files; `oid`, the git blob id,
+    /// for the others). The release is 1.56 TB: about 15-20 minutes at 1.5 GB/s. Digests are
+    /// kept in MODEL_DIR/.k3-run-verify.json per file (size, inode, modification time), so a
+    /// check stopped by Ctrl-C continues where it stopped when run again.
+    #[arg(long, requires = "sizes")]
+    pub hash: bool,
+    /// With --hash: read every file again, ignoring the digests kept by earlier runs.
+    #[arg(long, requires = "hash")]
+    pub rehash: bool,
+}
+
+/// One file of a `--sizes` listing: its size and, from a Hugging Face tree listing, the digest
+/// of its content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Published {
+    pub size: u64,
+    pub digest: Option<Digest>,
 }
 
 /// What was found for one file.
@@ -95,8 +118,10 @@ fn signed_diff(have: u64, want: u64) -> String {
     format!("{n} byte{} {how}", if n == 1 { "" } else { "s" })
 }
 
-/// Published sizes from `--sizes`: `{"name": size}` or `[{"path": name, "size": size}, ...]`.
-pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
+/// Published sizes from `--sizes`: `{"name": size}` or `[{"path": name, "size": size}, ...]`
+/// (a Hugging Face tree listing, whose entries also give `lfs.oid`, the SHA-256 of an LFS
+/// file, or `oid`, the git blob id of any other file).
+pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, Published>, String> {
     let text = k3_models::load::read_regular_bytes(path)
         .map_err(|e| format!("cannot read --sizes {}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_slice(&text)
@@ -109,7 +134,13 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
                 let n = size
                     .as_u64()
                     .ok_or_else(|| bad(format!("{name:?}: size {size} is not a byte count")))?;
-                out.insert(name, n);
+                out.insert(
+                    name,
+                    Published {
+                        size: n,
+                        digest: None,
+                    },
+                );
             }
         }
         serde_json::Value::Array(items) => {
@@ -126,7 +157,8 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
                     .get("size")
                     .and_then(serde_json::Value::as_u64)
                     .ok_or_else(|| bad(format!("{name:?} has no \"size\" byte count")))?;
-                out.insert(name.to_string(), n);
+                let digest = listed_digest(it).map_err(|m| bad(format!("{name:?}: {m}")))?;
+                out.insert(name.to_string(), Published { size: n, digest });
             }
         }
         _ => {
@@ -143,6 +175,31 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, u64>, String> {
         }
     }
     Ok(out)
+}
+
+/// The content digest of one tree-listing entry: `lfs.oid` (SHA-256) when the file is in LFS,
+/// else `oid` (the git blob id); none when the entry has neither. A digest that is there but
+/// malformed is an error: a listing that cannot be read with confidence is not guessed at.
+fn listed_digest(it: &serde_json::Value) -> Result<Option<Digest>, String> {
+    if let Some(lfs) = it.get("lfs").filter(|v| !v.is_null()) {
+        let oid = lfs
+            .get("oid")
+            .and_then(|o| o.as_str())
+            .ok_or("\"lfs\" has no \"oid\" string")?;
+        let oid = oid.strip_prefix("sha256:").unwrap_or(oid);
+        return Digest::sha256_hex(oid)
+            .map(Some)
+            .ok_or_else(|| format!("lfs.oid {oid:?} is not a SHA-256 (64 hex digits)"));
+    }
+    match it.get("oid") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(o) => {
+            let oid = o.as_str().ok_or("\"oid\" is not a string")?;
+            Digest::git_sha1_hex(oid)
+                .map(Some)
+                .ok_or_else(|| format!("oid {oid:?} is not a git blob id (40 hex digits)"))
+        }
+    }
 }
 
 fn is_shard_name(name: &str) -> bool {
@@ -278,6 +335,17 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
         Some(p) => Some(read_sizes(p).map_err(Failure::usage)?),
         None => None,
     };
+    if a.hash
+        && let (Some(p), Some(pubs)) = (&a.sizes, &published)
+        && pubs.values().all(|v| v.digest.is_none())
+    {
+        return Err(Failure::usage(format!(
+            "--hash: --sizes {} gives no digest: it takes a Hugging Face tree listing, whose \
+             entries carry \"lfs\": {{\"oid\": <sha256>}} or \"oid\": <git blob id> (e.g. \
+             curl -s https://huggingface.co/api/models/OWNER/NAME/tree/main)",
+            p.display()
+        )));
+    }
     let index_path = dir.join(INDEX_FILE);
     let (index, meta_total) = if index_path.is_file() {
         let (map, total) = checkpoint::read_index_with_total(&index_path)
@@ -351,8 +419,8 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     let mut index_problems: Vec<String> = Vec::new();
     if let Some(pubs) = &published {
         for c in &mut checks {
-            match (pubs.get(&c.name), c.size) {
-                (Some(&want), Some(have)) if have != want => c.problems.push(format!(
+            match (pubs.get(&c.name).map(|p| p.size), c.size) {
+                (Some(want), Some(have)) if have != want => c.problems.push(format!(
                     "{have} bytes on disk, published {want} ({})",
                     signed_diff(have, want)
                 )),
@@ -362,7 +430,8 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
                 _ => {}
             }
         }
-        for (name, &want) in pubs {
+        for (name, p) in pubs {
+            let want = p.size;
             if by_file.contains_key(name.as_str()) {
                 continue;
             }
@@ -393,13 +462,25 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
         }
     }
 
+    // Content digests (--hash): every published file that passed the checks above.
+    let mut digest_summary: Vec<String> = Vec::new();
+    let mut unread: HashSet<String> = HashSet::new();
+    if a.hash
+        && let Some(pubs) = &published
+    {
+        let d = hash_published(dir, pubs, &mut checks, &mut other_files, a.rehash);
+        digest_summary = d.lines;
+        unread = d.unread;
+    }
+    let interrupted = !unread.is_empty();
+
     // Expectations: explicit flags, else the release, else the published listing.
     let release = a.release.as_deref().map(|_| KIMI_K3);
     let pub_shards: Option<(usize, u64)> = published.as_ref().and_then(|p| {
         let shards: Vec<u64> = p
             .iter()
             .filter(|(k, _)| is_shard_name(k))
-            .map(|(_, v)| *v)
+            .map(|(_, v)| v.size)
             .collect();
         (!shards.is_empty()).then(|| (shards.len(), shards.iter().sum()))
     });
@@ -442,7 +523,11 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     }
     let bad: Vec<&FileCheck> = checks.iter().filter(|c| !c.problems.is_empty()).collect();
     let ok = n_shards - bad.len();
-    let what = if published.is_some() {
+    let what = if a.hash && !interrupted {
+        "their headers, their published sizes and digests"
+    } else if interrupted {
+        "their headers and their published sizes (digests: below)"
+    } else if published.is_some() {
         "their headers and their published sizes"
     } else {
         "the sizes their headers declare"
@@ -454,8 +539,19 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     }
     for o in &other_files {
         if o.problems.is_empty() {
-            println!("file   : {} matches its published size", o.name);
+            println!(
+                "file   : {} matches its published size{}",
+                o.name,
+                if a.hash && !unread.contains(&o.name) {
+                    " and digest"
+                } else {
+                    ""
+                }
+            );
         }
+    }
+    for l in &digest_summary {
+        println!("{l}");
     }
     if index.is_some() {
         // Only a note: the engine never reads `total_size`, and writers other than HF's may
@@ -498,6 +594,13 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     if !index_problems.is_empty() {
         fetch.insert(INDEX_FILE.to_string());
     }
+    if interrupted {
+        println!(
+            "RESULT : INCOMPLETE: stopped by Ctrl-C before every file was read; the same \
+             command continues from there"
+        );
+        return Ok(exit::INTERRUPTED);
+    }
     if fetch.is_empty() && !failed_totals {
         println!("RESULT : byte-exact match");
         return Ok(exit::OK);
@@ -514,6 +617,152 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
         println!("RESULT : FAIL: fetch again: {}", list.join(", "));
     }
     Ok(MISMATCH)
+}
+
+/// What `--hash` found, for the report.
+struct DigestPass {
+    /// `digest : ...` and `note   : ...` lines.
+    lines: Vec<String>,
+    /// Files not read because Ctrl-C stopped the pass.
+    unread: HashSet<String>,
+}
+
+/// Read every published file with a digest that passed the size and header checks, and add a
+/// problem to each whose content differs or cannot be read. Ctrl-C stops the pass between
+/// chunks (a second one kills); the digests finished by then are kept for the next run.
+fn hash_published(
+    dir: &Path,
+    pubs: &BTreeMap<String, Published>,
+    checks: &mut [FileCheck],
+    other_files: &mut [FileCheck],
+    rehash: bool,
+) -> DigestPass {
+    let mut jobs = Vec::new();
+    let mut undigested = 0usize;
+    for c in checks.iter().chain(other_files.iter()) {
+        let Some(p) = pubs.get(&c.name) else { continue };
+        match p.digest {
+            Some(want) if c.problems.is_empty() && c.size == Some(p.size) => {
+                jobs.push(digest::Job {
+                    name: c.name.clone(),
+                    size: p.size,
+                    want,
+                })
+            }
+            Some(_) => {} // already failed: fetched again anyway
+            None => undigested += 1,
+        }
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sig = [
+        signal_hook::flag::register_conditional_shutdown(
+            signal_hook::consts::SIGINT,
+            130,
+            std::sync::Arc::clone(&stop),
+        ),
+        signal_hook::flag::register(signal_hook::consts::SIGINT, std::sync::Arc::clone(&stop)),
+    ];
+    let announce = |files: usize, bytes: u64, kept: usize| {
+        if files == 0 {
+            if kept > 0 {
+                eprintln!(
+                    "verify: every digest kept from an earlier run ({kept} files of the same \
+                     size, inode and modification time; --rehash reads them again)"
+                );
+            }
+            return;
+        }
+        let kept = if kept > 0 {
+            format!(", {kept} more kept from an earlier run")
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "verify: reading {files} file{} ({:.2} GB) for their digests{kept} (Ctrl-C stops; \
+             the next run continues)",
+            if files == 1 { "" } else { "s" },
+            bytes as f64 / 1e9
+        );
+    };
+    let opts = digest::Options::for_this_machine(!rehash);
+    let r = digest::hash_files(dir, &jobs, opts, &stop, &announce);
+    for id in sig.into_iter().flatten() {
+        signal_hook::low_level::unregister(id);
+    }
+    let mut lines = Vec::new();
+    let mut matched = 0usize;
+    let (mut sha256, mut sha1) = (0usize, 0usize);
+    let mut kept = 0usize;
+    for o in &r.outcomes {
+        let problem = match &o.got {
+            Ok(got) if *got == o.want => {
+                matched += 1;
+                kept += usize::from(o.kept);
+                match got {
+                    Digest::Sha256(_) => sha256 += 1,
+                    Digest::GitSha1(_) => sha1 += 1,
+                }
+                continue;
+            }
+            Ok(got) => format!(
+                "content differs from the published {}: read {got}, published {}",
+                o.want.kind(),
+                o.want
+            ),
+            Err(why) => why.clone(),
+        };
+        if let Some(c) = checks
+            .iter_mut()
+            .chain(other_files.iter_mut())
+            .find(|c| c.name == o.name)
+        {
+            c.problems.push(problem);
+        }
+    }
+    let rate = if r.seconds > 0.0 {
+        r.bytes_read as f64 / 1e6 / r.seconds
+    } else {
+        0.0
+    };
+    let read = format!(
+        "{:.2} GB read in {:.1} s ({rate:.0} MB/s), {kept} kept from an earlier run",
+        r.bytes_read as f64 / 1e9,
+        r.seconds
+    );
+    if matched == jobs.len() {
+        lines.push(format!(
+            "digest : all {matched} files match their published digests ({sha256} sha256, \
+             {sha1} git sha1); {read}"
+        ));
+    } else if r.unfinished.is_empty() {
+        lines.push(format!(
+            "digest : {matched} of {} files match their published digests (FAIL lines \
+             below); {read}",
+            jobs.len()
+        ));
+    } else {
+        lines.push(format!(
+            "digest : interrupted: {} of {} files done ({matched} match); {read}; not read: {}",
+            r.outcomes.len(),
+            jobs.len(),
+            r.unfinished.join(", ")
+        ));
+    }
+    if undigested > 0 {
+        lines.push(format!(
+            "note   : {undigested} listed file{} no digest in the listing (size checked only)",
+            if undigested == 1 { " has" } else { "s have" }
+        ));
+    }
+    if let Some(e) = r.keep_error {
+        lines.push(format!(
+            "note   : {e}; an interrupted check will read every file again"
+        ));
+    }
+    DigestPass {
+        lines,
+        unread: r.unfinished.into_iter().collect(),
+    }
 }
 
 /// `.safetensors` files in `dir` the index does not name (left over from another revision).

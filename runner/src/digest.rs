@@ -1,0 +1,535 @@
+//! `k3-run verify --hash`: read published files whole and compare their content with the
+//! digests a Hugging Face tree listing publishes for them.
+//!
+//! Owns: the digests (`lfs.oid`, the SHA-256 of an LFS file's content; `oid`, the git blob id of
+//! any other file: SHA-1 of `blob <size>\0` + content), reading files for them on a few
+//! threads with a progress bar, Ctrl-C between chunks, and the digests kept from earlier runs
+//! (`MODEL_DIR/.k3-run-verify.json`, one entry per file with its size, inode and modification
+//! time), so an interrupted check of the 1.56 TB release continues where it stopped.
+//! Must not: decide what a mismatch means (that is `verify`), read a file that failed a cheaper
+//! check first.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::File;
+use std::io::{IsTerminal, Read};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use sha1::Sha1;
+use sha2::{Digest as _, Sha256};
+
+/// The file in a checkpoint directory that keeps the digests of earlier `--hash` runs.
+pub const KEPT_FILE: &str = ".k3-run-verify.json";
+
+/// Bytes read per call (and the granularity of Ctrl-C and of the progress bar).
+const CHUNK: usize = 8 << 20;
+
+/// A published digest of a file's content.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Digest {
+    /// SHA-256 of the content (a Hugging Face listing's `lfs.oid`).
+    Sha256([u8; 32]),
+    /// Git blob id: SHA-1 of `blob <size>\0` followed by the content (a listing's `oid` of a
+    /// file not in LFS).
+    GitSha1([u8; 20]),
+}
+
+impl Digest {
+    /// `sha256` or `git sha1`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Digest::Sha256(_) => "sha256",
+            Digest::GitSha1(_) => "git sha1",
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Digest::Sha256(b) => b,
+            Digest::GitSha1(b) => b,
+        }
+    }
+
+    /// A SHA-256 from 64 hex digits.
+    pub fn sha256_hex(s: &str) -> Option<Digest> {
+        parse_hex::<32>(s).map(Digest::Sha256)
+    }
+
+    /// A git blob id from 40 hex digits.
+    pub fn git_sha1_hex(s: &str) -> Option<Digest> {
+        parse_hex::<20>(s).map(Digest::GitSha1)
+    }
+
+    fn same_kind(&self, hex: &str) -> Option<Digest> {
+        match self {
+            Digest::Sha256(_) => Digest::sha256_hex(hex),
+            Digest::GitSha1(_) => Digest::git_sha1_hex(hex),
+        }
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+fn parse_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    if s.len() != 2 * N || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// One file to read: `dir/name`, expected to hold `size` bytes with digest `want`.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub name: String,
+    pub size: u64,
+    pub want: Digest,
+}
+
+/// What reading one file gave.
+#[derive(Debug)]
+pub struct Outcome {
+    pub name: String,
+    pub want: Digest,
+    /// The digest of the content, or why the file could not be read whole.
+    pub got: Result<Digest, String>,
+    /// Taken from an earlier run's kept digests, not read now.
+    pub kept: bool,
+}
+
+/// All of a `--hash` pass.
+#[derive(Debug)]
+pub struct Report {
+    /// One per file finished (read or kept), in the jobs' order.
+    pub outcomes: Vec<Outcome>,
+    /// Files not finished because of Ctrl-C.
+    pub unfinished: Vec<String>,
+    pub bytes_read: u64,
+    pub seconds: f64,
+    /// Why the digests could not be kept (an interrupted check would then start over).
+    pub keep_error: Option<String>,
+}
+
+/// How to run a pass.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    pub threads: usize,
+    /// Use the digests kept by earlier runs (`--rehash` turns this off; new ones are kept
+    /// either way).
+    pub reuse: bool,
+    pub progress: bool,
+}
+
+impl Options {
+    /// Reads on up to 4 threads (two are enough for a disk at ~1.5 GB/s: SHA-256 with the SHA
+    /// extensions runs at ~2 GB/s per core); the bar on a terminal only.
+    pub fn for_this_machine(reuse: bool) -> Options {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Options {
+            threads: cores.clamp(1, 4),
+            reuse,
+            progress: std::io::stderr().is_terminal(),
+        }
+    }
+}
+
+/// A file's identity for the kept digests: a file of another size, inode or modification time
+/// is read again.
+#[derive(serde::Serialize, serde::Deserialize, Clone, PartialEq, Eq, Debug)]
+struct Stamp {
+    size: u64,
+    ino: u64,
+    mtime_ns: i64,
+}
+
+fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
+    let m = std::fs::metadata(path)?;
+    Ok(Stamp {
+        size: m.len(),
+        ino: m.ino(),
+        mtime_ns: m
+            .mtime()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(m.mtime_nsec()),
+    })
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct KeptEntry {
+    #[serde(flatten)]
+    stamp: Stamp,
+    kind: String,
+    digest: String,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Default, Debug)]
+struct KeptFile {
+    version: u32,
+    files: BTreeMap<String, KeptEntry>,
+}
+
+const KEPT_VERSION: u32 = 1;
+
+/// The kept digests of one directory, saved after every file (write to a temporary name,
+/// rename), so Ctrl-C or a crash loses at most the files being read.
+struct Kept {
+    path: PathBuf,
+    file: KeptFile,
+    error: Option<String>,
+}
+
+impl Kept {
+    /// Load `dir/.k3-run-verify.json`; a missing, unreadable or foreign file is an empty one (it
+    /// is rewritten at the first finished file).
+    fn load(dir: &Path) -> Kept {
+        let path = dir.join(KEPT_FILE);
+        let file = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<KeptFile>(&b).ok())
+            .filter(|f| f.version == KEPT_VERSION)
+            .unwrap_or_default();
+        Kept {
+            path,
+            file,
+            error: None,
+        }
+    }
+
+    fn get(&self, name: &str, stamp: &Stamp, want: &Digest) -> Option<Digest> {
+        let e = self.file.files.get(name)?;
+        (e.stamp == *stamp && e.kind == want.kind())
+            .then(|| want.same_kind(&e.digest))
+            .flatten()
+    }
+
+    fn put(&mut self, name: &str, stamp: Stamp, got: &Digest) {
+        self.file.files.insert(
+            name.to_string(),
+            KeptEntry {
+                stamp,
+                kind: got.kind().to_string(),
+                digest: got.to_string(),
+            },
+        );
+        if self.error.is_some() {
+            return;
+        }
+        if let Err(e) = self.save() {
+            self.error = Some(format!(
+                "cannot keep digests in {}: {e}",
+                self.path.display()
+            ));
+        }
+    }
+
+    fn save(&mut self) -> std::io::Result<()> {
+        self.file.version = KEPT_VERSION;
+        let tmp = self
+            .path
+            .with_file_name(format!("{KEPT_FILE}.tmp-{}", std::process::id()));
+        let text = serde_json::to_vec_pretty(&self.file).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &self.path).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    }
+}
+
+enum Hasher {
+    Sha256(Sha256),
+    GitSha1(Sha1),
+}
+
+impl Hasher {
+    fn new(want: &Digest, size: u64) -> Hasher {
+        match want {
+            Digest::Sha256(_) => Hasher::Sha256(Sha256::new()),
+            Digest::GitSha1(_) => {
+                let mut h = Sha1::new();
+                h.update(format!("blob {size}\0").as_bytes());
+                Hasher::GitSha1(h)
+            }
+        }
+    }
+
+    fn update(&mut self, b: &[u8]) {
+        match self {
+            Hasher::Sha256(h) => h.update(b),
+            Hasher::GitSha1(h) => h.update(b),
+        }
+    }
+
+    fn finish(self) -> Digest {
+        match self {
+            Hasher::Sha256(h) => Digest::Sha256(h.finalize().into()),
+            Hasher::GitSha1(h) => Digest::GitSha1(h.finalize().into()),
+        }
+    }
+}
+
+/// Why a read stopped early.
+enum Stop {
+    Interrupted,
+    Failed(String),
+}
+
+/// Read `path` whole into the hasher `want` asks for. The pages read are dropped from the page
+/// cache behind the reader (a 1.56 TB pass would otherwise push everything else out).
+fn read_digest(
+    path: &Path,
+    size: u64,
+    want: &Digest,
+    buf: &mut [u8],
+    stop: &AtomicBool,
+    on_bytes: &dyn Fn(u64),
+) -> Result<Digest, Stop> {
+    let mut f = File::open(path).map_err(|e| Stop::Failed(format!("cannot open: {e}")))?;
+    let fd = f.as_raw_fd();
+    // SAFETY: advice on an open descriptor; no memory is involved.
+    unsafe {
+        libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    }
+    let mut h = Hasher::new(want, size);
+    let mut done = 0u64;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Err(Stop::Interrupted);
+        }
+        let mut filled = 0;
+        while filled < buf.len() {
+            match f.read(&mut buf[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Stop::Failed(format!(
+                        "read error at byte {}: {e}",
+                        done + filled as u64
+                    )));
+                }
+            }
+        }
+        if filled == 0 {
+            break;
+        }
+        h.update(&buf[..filled]);
+        // SAFETY: as above.
+        unsafe {
+            libc::posix_fadvise(fd, done as i64, filled as i64, libc::POSIX_FADV_DONTNEED);
+        }
+        done += filled as u64;
+        on_bytes(filled as u64);
+        if done > size {
+            break;
+        }
+    }
+    if done != size {
+        return Err(Stop::Failed(format!(
+            "{done} bytes read where {size} were expected (the file changed while it was read)"
+        )));
+    }
+    Ok(h.finish())
+}
+
+/// Read every job's file in `dir` (largest first, on `opts.threads` threads) and return the
+/// digests, using and updating the kept ones. `stop` (Ctrl-C) ends the pass between chunks; the
+/// files finished by then are in the report and kept. `announce(files, bytes, kept)` is called
+/// once before the reads: the files and bytes to read, and the files whose kept digests serve.
+pub fn hash_files(
+    dir: &Path,
+    jobs: &[Job],
+    opts: Options,
+    stop: &AtomicBool,
+    announce: &dyn Fn(usize, u64, usize),
+) -> Report {
+    let started = Instant::now();
+    let kept = Mutex::new(Kept::load(dir));
+    let mut outcomes: Vec<Option<Outcome>> = jobs.iter().map(|_| None).collect();
+    // the files to read, with their stamps taken before reading
+    let mut todo: Vec<(usize, Stamp)> = Vec::new();
+    for (i, j) in jobs.iter().enumerate() {
+        let path = dir.join(&j.name);
+        match stamp_of(&path) {
+            Ok(st) => {
+                let have = if opts.reuse {
+                    kept.lock().unwrap().get(&j.name, &st, &j.want)
+                } else {
+                    None
+                };
+                match have {
+                    Some(d) => {
+                        outcomes[i] = Some(Outcome {
+                            name: j.name.clone(),
+                            want: j.want,
+                            got: Ok(d),
+                            kept: true,
+                        });
+                    }
+                    None => todo.push((i, st)),
+                }
+            }
+            Err(e) => {
+                outcomes[i] = Some(Outcome {
+                    name: j.name.clone(),
+                    want: j.want,
+                    got: Err(format!("cannot stat: {e}")),
+                    kept: false,
+                });
+            }
+        }
+    }
+    todo.sort_by_key(|(i, _)| std::cmp::Reverse(jobs[*i].size));
+    let total: u64 = todo.iter().map(|(i, _)| jobs[*i].size).sum();
+    announce(
+        todo.len(),
+        total,
+        outcomes.iter().flatten().filter(|o| o.kept).count(),
+    );
+    let bar = if opts.progress && total > 0 {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message("hashing");
+    let next = AtomicUsize::new(0);
+    let read = AtomicU64::new(0);
+    let finished: Mutex<Vec<(usize, Result<Digest, String>)>> = Mutex::new(Vec::new());
+    let threads = opts.threads.clamp(1, todo.len().max(1));
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| {
+                let mut buf = vec![0u8; CHUNK];
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((i, st)) = todo.get(k) else { break };
+                    let j = &jobs[*i];
+                    let on_bytes = |n: u64| {
+                        bar.inc(n);
+                        read.fetch_add(n, Ordering::Relaxed);
+                    };
+                    let r = read_digest(
+                        &dir.join(&j.name),
+                        j.size,
+                        &j.want,
+                        &mut buf,
+                        stop,
+                        &on_bytes,
+                    );
+                    let r = match r {
+                        Ok(d) => {
+                            // keep it only if the file is still the one stamped before reading
+                            if stamp_of(&dir.join(&j.name)).ok().as_ref() == Some(st) {
+                                kept.lock().unwrap().put(&j.name, st.clone(), &d);
+                            }
+                            Ok(d)
+                        }
+                        Err(Stop::Failed(why)) => Err(why),
+                        Err(Stop::Interrupted) => break,
+                    };
+                    finished.lock().unwrap().push((*i, r));
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    for (i, got) in finished.into_inner().unwrap() {
+        outcomes[i] = Some(Outcome {
+            name: jobs[i].name.clone(),
+            want: jobs[i].want,
+            got,
+            kept: false,
+        });
+    }
+    let unfinished = jobs
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| o.is_none())
+        .map(|(j, _)| j.name.clone())
+        .collect();
+    Report {
+        outcomes: outcomes.into_iter().flatten().collect(),
+        unfinished,
+        bytes_read: read.into_inner(),
+        seconds: started.elapsed().as_secs_f64(),
+        keep_error: kept.into_inner().unwrap().error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trips_and_refuses_bad_digests() {
+        let s = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        let d = Digest::sha256_hex(s).unwrap();
+        assert_eq!(d.to_string(), s);
+        assert_eq!(Digest::sha256_hex(&s.to_uppercase()).unwrap(), d);
+        assert!(Digest::sha256_hex(&s[..62]).is_none());
+        assert!(Digest::sha256_hex(&format!("{}zz", &s[..62])).is_none());
+        assert!(Digest::git_sha1_hex(s).is_none());
+        assert!(Digest::git_sha1_hex("é".repeat(20).as_str()).is_none());
+        let g = "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391";
+        assert_eq!(Digest::git_sha1_hex(g).unwrap().to_string(), g);
+    }
+
+    /// The empty content's digests are the well-known ones: SHA-256 of nothing, and git's id
+    /// of the empty blob (`git hash-object /dev/null`).
+    #[test]
+    fn empty_file_digests_are_the_published_constants() {
+        let dir = std::env::temp_dir().join(format!("k3-digest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("empty"), b"").unwrap();
+        let jobs = [
+            Job {
+                name: "empty".into(),
+                size: 0,
+                want: Digest::sha256_hex(&"0".repeat(64)).unwrap(),
+            },
+            Job {
+                name: "empty".into(),
+                size: 0,
+                want: Digest::git_sha1_hex(&"0".repeat(40)).unwrap(),
+            },
+        ];
+        let opts = Options {
+            threads: 2,
+            reuse: false,
+            progress: false,
+        };
+        let r = hash_files(&dir, &jobs, opts, &AtomicBool::new(false), &|_, _, _| {});
+        let got: Vec<String> = r
+            .outcomes
+            .iter()
+            .map(|o| o.got.as_ref().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+                "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -359,17 +359,11 @@ fn read_extents(
         }
     }
     let total: u64 = pieces.iter().map(|p| p.len as u64).sum();
-    let bar = if opts.progress && total >= PROGRESS_MIN_BYTES {
-        indicatif::ProgressBar::new(total)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_message("resident");
+    let bar = crate::bytes_bar(
+        total,
+        opts.progress && total >= PROGRESS_MIN_BYTES,
+        "resident",
+    );
     let pool = ReadPool::new(opts.read_threads)?;
     let region = (buf.full().as_ptr() as usize, buf.capacity());
     let mut reqs: Vec<ReadReq<'_>> = Vec::with_capacity(pieces.len());

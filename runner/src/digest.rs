@@ -400,17 +400,7 @@ pub fn hash_files(
         total,
         outcomes.iter().flatten().filter(|o| o.kept).count(),
     );
-    let bar = if opts.progress && total > 0 {
-        indicatif::ProgressBar::new(total)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_message("hashing");
+    let bar = crate::bytes_bar(total, opts.progress && total > 0, "hashing");
     let next = AtomicUsize::new(0);
     let read = AtomicU64::new(0);
     let finished: Mutex<Vec<(usize, Result<Digest, String>)>> = Mutex::new(Vec::new());

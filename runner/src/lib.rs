@@ -26,3 +26,20 @@ pub mod stream;
 pub mod synth;
 pub mod verify;
 pub mod weights;
+
+/// A byte-count progress bar on stderr (`MSG [=====>   ] 1.2 GiB/4 GiB (1.1 GiB/s, 3s)`), or a
+/// hidden one when `show` is false.
+pub(crate) fn bytes_bar(total: u64, show: bool, msg: &'static str) -> indicatif::ProgressBar {
+    let bar = if show {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(msg);
+    bar
+}

@@ -19,35 +19,14 @@
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::path::Path;
 
 use serde_json::Value;
 
 mod bin_support;
-use bin_support::{fixture_a, fresh_dir, k3, repo, s, synth_tiny};
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().expect("k3-run exited normally")
-}
-
-/// A copy of fixture A's checkpoint under target/ (the tests alter it).
-fn copy_a(name: &str) -> PathBuf {
-    let dir = fresh_dir(name);
-    for e in std::fs::read_dir(fixture_a()).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-    }
-    dir
-}
+mod verify_support;
+use bin_support::{code, fixture_a, fresh_dir, k3, repo, s, stderr, synth_tiny};
+use verify_support::{assert_match, copy_a, fetch_again, stdout, verify};
 
 /// The shard files of a checkpoint directory, sorted.
 fn shards(dir: &Path) -> Vec<String> {
@@ -69,37 +48,6 @@ fn alter(p: &Path, delta: i64) {
     let f = OpenOptions::new().write(true).open(p).unwrap();
     let len = f.metadata().unwrap().len();
     f.set_len(len.checked_add_signed(delta).unwrap()).unwrap();
-}
-
-fn verify(dir: &Path, extra: &[&str]) -> Output {
-    let mut args = vec!["verify", s(dir)];
-    args.extend_from_slice(extra);
-    k3(&args)
-}
-
-/// The files of the `RESULT : FAIL: fetch again: a, b` line (asserts exit 1 and FAIL).
-fn fetch_again(o: &Output) -> Vec<String> {
-    let out = stdout(o);
-    assert_eq!(code(o), 1, "verify should fail:\n{out}\n{}", stderr(o));
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("RESULT : FAIL"))
-        .unwrap_or_else(|| panic!("no RESULT : FAIL line:\n{out}"));
-    let list = line
-        .split_once("fetch again: ")
-        .unwrap_or_else(|| panic!("no file named: {line}"))
-        .1;
-    list.split(", ").map(str::to_string).collect()
-}
-
-fn assert_match(o: &Output) -> String {
-    let out = stdout(o);
-    assert_eq!(code(o), 0, "verify should pass:\n{out}\n{}", stderr(o));
-    assert!(
-        out.lines().any(|l| l == "RESULT : byte-exact match"),
-        "{out}"
-    );
-    out
 }
 
 #[test]

@@ -16,28 +16,16 @@
 //! Owns: black-box checks through the binary. Must not: call the library.
 
 use std::io::{Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 mod bin_support;
-use bin_support::{code, fixture_a, fresh_dir, k3, s, stderr};
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// A copy of fixture A under target/ (the tests alter it).
-fn copy_a(name: &str) -> PathBuf {
-    let dir = fresh_dir(name);
-    for e in std::fs::read_dir(fixture_a()).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-    }
-    dir
-}
+mod verify_support;
+use bin_support::{code, fixture_a, fresh_dir, s, stderr};
+use verify_support::{assert_match, copy_a, fetch_again, stdout, verify};
 
 /// The output of an external program, which must succeed.
 fn tool(program: &str, args: &[&str]) -> String {
@@ -94,36 +82,6 @@ fn flip(p: &Path, offset: u64) {
     std::io::Read::read_exact(&mut f, &mut b).unwrap();
     f.seek(SeekFrom::Start(offset)).unwrap();
     f.write_all(&[!b[0]]).unwrap();
-}
-
-fn verify(dir: &Path, extra: &[&str]) -> Output {
-    let mut args = vec!["verify", s(dir)];
-    args.extend_from_slice(extra);
-    k3(&args)
-}
-
-/// The files of the `RESULT : FAIL: fetch again: a, b` line (asserts exit 1).
-fn fetch_again(o: &Output) -> Vec<String> {
-    let out = stdout(o);
-    assert_eq!(code(o), 1, "verify should fail:\n{out}\n{}", stderr(o));
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("RESULT : FAIL: fetch again: "))
-        .unwrap_or_else(|| panic!("no RESULT : FAIL line naming files:\n{out}"));
-    line["RESULT : FAIL: fetch again: ".len()..]
-        .split(", ")
-        .map(str::to_string)
-        .collect()
-}
-
-fn assert_match(o: &Output) -> String {
-    let out = stdout(o);
-    assert_eq!(code(o), 0, "verify should pass:\n{out}\n{}", stderr(o));
-    assert!(
-        out.lines().any(|l| l == "RESULT : byte-exact match"),
-        "{out}"
-    );
-    out
 }
 
 #[test]

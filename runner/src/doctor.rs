@@ -1091,7 +1091,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         }
         if next.len() > 1 {
             println!(
-                "           (to compare every byte with the published digests too; reads all 1.56 TB, ~22 min at 1.2 GB/s: curl -s \
+                "           (to compare every byte with the published digests too; reads all 1.56 TB, ~19 min at 1.4 GB/s: curl -s \
                  https://huggingface.co/api/models/moonshotai/Kimi-K3/tree/main > k3-tree.json; \
                  k3-run verify {model} --sizes k3-tree.json --hash)"
             );

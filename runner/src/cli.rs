@@ -90,6 +90,11 @@ pub struct PackCli {
     /// only cost a little more index; for testing several records per layer on small models.
     #[arg(long, value_name = "KIB", requires = "compress")]
     pub chunk_kib: Option<u64>,
+    /// Do not pack: read the packed trunk in TRUNK_DIR as a run reads it (compressed records
+    /// decoded) and compare every tensor with the checkpoint's bytes. Exit 0 when all equal,
+    /// 1 naming the layers and tensors that differ (pack again), 5 on Ctrl-C.
+    #[arg(long, conflicts_with_all = ["compress", "chunk_kib"])]
+    pub check: bool,
 }
 
 #[derive(Args, Debug)]
@@ -1744,6 +1749,9 @@ fn pack_main(p: &PackCli) -> Result<u8, Failure> {
             })?,
     };
     let spec = load_spec(&p.model_dir, p.manifest.as_deref(), None)?;
+    if p.check {
+        return check_main(p, &spec);
+    }
     let r = crate::stream::pack::run(
         &p.model_dir,
         &spec,
@@ -1753,6 +1761,87 @@ fn pack_main(p: &PackCli) -> Result<u8, Failure> {
     .map_err(stream_failure)?;
     println!("{}", r.summary());
     Ok(exit::OK)
+}
+
+/// `k3-run pack-trunk --check`: every layer of the packed trunk against the checkpoint.
+fn check_main(p: &PackCli, spec: &k3_models::spec::ModelSpec) -> Result<u8, Failure> {
+    use std::io::IsTerminal;
+    if !p.trunk_dir.is_dir() {
+        return Err(Failure::usage(format!(
+            "--check: no packed trunk directory {}",
+            p.trunk_dir.display()
+        )));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let _ = signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        130,
+        Arc::clone(&stop),
+    );
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    eprintln!(
+        "pack-trunk --check: every layer of {} against {}",
+        p.trunk_dir.display(),
+        p.model_dir.display()
+    );
+    let r = crate::stream::check::check_trunk(
+        &p.model_dir,
+        spec,
+        &p.trunk_dir,
+        &stop,
+        std::io::stderr().is_terminal(),
+    )
+    .map_err(stream_failure)?;
+    let rate = r.bytes_checked as f64 / 1e6 / r.seconds.max(1e-9);
+    let what = format!(
+        "{} of {} layers{}, {} tensors, {:.2} GB read and compared in {:.1} s ({rate:.0} MB/s)",
+        r.layers_checked,
+        r.layers,
+        if r.compressed {
+            " (compressed records decoded)"
+        } else {
+            ""
+        },
+        r.tensors_checked,
+        r.bytes_checked as f64 / 1e9,
+        r.seconds
+    );
+    for line in &r.problems {
+        println!("FAIL   : {line}");
+    }
+    if r.n_problems > r.problems.len() {
+        println!(
+            "FAIL   : ... and {} more (only the first {} are named)",
+            r.n_problems - r.problems.len(),
+            r.problems.len()
+        );
+    }
+    if r.interrupted {
+        println!("check  : {what}");
+        println!("RESULT : INCOMPLETE: stopped by Ctrl-C");
+        return Ok(exit::INTERRUPTED);
+    }
+    if r.n_problems == 0 {
+        println!("check  : {what}: every tensor equals the checkpoint's bytes");
+        println!("RESULT : the packed trunk matches the checkpoint");
+        return Ok(exit::OK);
+    }
+    let layers: Vec<String> = r.bad_layers.iter().map(ToString::to_string).collect();
+    println!("check  : {what}");
+    println!(
+        "RESULT : FAIL: layer{} {} {} from the checkpoint: pack again with `k3-run \
+         pack-trunk {} {}`",
+        if layers.len() == 1 { "" } else { "s" },
+        layers.join(", "),
+        if layers.len() == 1 {
+            "differs"
+        } else {
+            "differ"
+        },
+        p.model_dir.display(),
+        p.trunk_dir.display()
+    );
+    Ok(crate::verify::MISMATCH)
 }
 
 fn sim_main(p: &SimCli) -> Result<u8, Failure> {

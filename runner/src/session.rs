@@ -376,7 +376,7 @@ pub fn check_states(
 /// layer's `source_fingerprint` against [`Checkpoint::layer_fingerprints`]), naming the first
 /// layer that differs and both fingerprints; a trunk.json without them (an older pack) is
 /// accepted with a start-up note.
-fn check_trunk_source(
+pub(crate) fn check_trunk_source(
     dir: &std::path::Path,
     spec: &ModelSpec,
     ckpt: &Checkpoint,

@@ -12,6 +12,7 @@
 
 pub mod aligned;
 pub mod blocking;
+pub mod check;
 pub mod compress;
 pub mod direct;
 pub mod experts;

@@ -57,7 +57,7 @@ pub enum Command {
     Plan(PlanCli),
     /// Check the machine: memory, the preset to use, disk read bandwidth as the engine reads.
     Doctor(crate::doctor::DoctorArgs),
-    /// Pack the dense trunk into one file (trunk.bin + trunk.json) for streaming, once.
+    /// Pack the dense trunk into one file (trunk.bin + trunk.json) for streaming, once (--check: compare a pack with the checkpoint).
     PackTrunk(PackCli),
     /// Replay an expert-request trace under LRU and Belady's optimum at several capacities.
     SimCache(SimCli),
@@ -75,7 +75,7 @@ pub enum Command {
 pub struct PackCli {
     /// Checkpoint directory.
     pub model_dir: PathBuf,
-    /// Output directory for trunk.bin + trunk.json.
+    /// Output directory for trunk.bin + trunk.json (with --check: the packed trunk to check).
     pub trunk_dir: PathBuf,
     /// Model manifest (default: the built-in kimi-k3 manifest).
     #[arg(long)]

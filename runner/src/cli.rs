@@ -1110,14 +1110,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     let state_line =
         check_states_and_chunk(a, &mut plan, &session, (positions, 1), mem_limit.bytes())?;
     eprintln!("  {state_line}");
-    let interrupted = Arc::new(AtomicBool::new(false));
     // first Ctrl-C: finish the step in progress and stop; second: the default action (kill)
-    let _ = signal_hook::flag::register_conditional_shutdown(
-        signal_hook::consts::SIGINT,
-        130,
-        Arc::clone(&interrupted),
-    );
-    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
+    let interrupted = ctrl_c_flag(130);
     let mut exec = Executor::new(&spec, plan, threads);
     if let Some(l) = session.configure_pool(exec.pool()) {
         eprintln!("  {l}");
@@ -1772,13 +1766,7 @@ fn check_main(p: &PackCli, spec: &k3_models::spec::ModelSpec) -> Result<u8, Fail
             p.trunk_dir.display()
         )));
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let _ = signal_hook::flag::register_conditional_shutdown(
-        signal_hook::consts::SIGINT,
-        130,
-        Arc::clone(&stop),
-    );
-    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    let stop = ctrl_c_flag(130);
     eprintln!(
         "pack-trunk --check: every layer of {} against {}",
         p.trunk_dir.display(),
@@ -1842,6 +1830,20 @@ fn check_main(p: &PackCli, spec: &k3_models::spec::ModelSpec) -> Result<u8, Fail
         p.trunk_dir.display()
     );
     Ok(crate::verify::MISMATCH)
+}
+
+/// A flag the first Ctrl-C (SIGINT) sets, for work that stops at its next step; a second
+/// Ctrl-C, with the flag already set, exits at once with `second_exit`. For the rest of the
+/// process.
+pub(crate) fn ctrl_c_flag(second_exit: i32) -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let _ = signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        second_exit,
+        Arc::clone(&flag),
+    );
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&flag));
+    flag
 }
 
 fn sim_main(p: &SimCli) -> Result<u8, Failure> {

@@ -28,7 +28,6 @@
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -816,14 +815,8 @@ fn check_args(a: &DoctorArgs) -> Result<(), Failure> {
 
 pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     check_args(a)?;
-    let stop = Arc::new(AtomicBool::new(false));
     // first Ctrl-C: stop the measurement and remove the test file; second: default action
-    let _ = signal_hook::flag::register_conditional_shutdown(
-        signal_hook::consts::SIGINT,
-        exit::INTERRUPTED as i32,
-        Arc::clone(&stop),
-    );
-    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    let stop = crate::cli::ctrl_c_flag(exit::INTERRUPTED as i32);
     let mut code = exit::OK;
     println!(
         "k3-run doctor ({} {})",

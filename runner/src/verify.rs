@@ -653,15 +653,7 @@ fn hash_published(
             None => undigested += 1,
         }
     }
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sig = [
-        signal_hook::flag::register_conditional_shutdown(
-            signal_hook::consts::SIGINT,
-            130,
-            std::sync::Arc::clone(&stop),
-        ),
-        signal_hook::flag::register(signal_hook::consts::SIGINT, std::sync::Arc::clone(&stop)),
-    ];
+    let stop = crate::cli::ctrl_c_flag(130);
     let announce = |files: usize, bytes: u64, kept: usize| {
         if files == 0 {
             if kept > 0 {
@@ -686,9 +678,6 @@ fn hash_published(
     };
     let opts = digest::Options::for_this_machine(!rehash);
     let r = digest::hash_files(dir, &jobs, opts, &stop, &announce);
-    for id in sig.into_iter().flatten() {
-        signal_hook::low_level::unregister(id);
-    }
     let mut lines = Vec::new();
     let mut matched = 0usize;
     let (mut sha256, mut sha1) = (0usize, 0usize);

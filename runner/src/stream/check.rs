@@ -11,12 +11,15 @@
 //! shown errors.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::time::Instant;
 
 use k3_models::spec::ModelSpec;
 
 use super::StreamError;
+use super::aligned::AlignedBuf;
+use super::direct::DirectFile;
 use super::pack::TrunkManifest;
 use super::trunk::{StreamedTrunk, TrunkOptions};
 use crate::checkpoint::Checkpoint;
@@ -91,28 +94,50 @@ pub fn check_trunk(
         ..CheckReport::default()
     };
     let bar = crate::bytes_bar(total, progress, "checking");
-    // The checkpoint's side of each layer is read ahead by a helper (its pages faulted in
-    // through the mapping, up to `AHEAD` layers before the one compared): page faults one at a
-    // time ran at ~0.5 GB/s on k3-mini.
-    let ranges: Vec<Option<(usize, usize)>> = manifest.layers[..n]
+    // The checkpoint's side of each layer is read by a helper with O_DIRECT, up to `AHEAD`
+    // layers before the one compared (through the mapping, page faults ran at ~0.5 GB/s on
+    // k3-mini; a helper faulting the mapping in ahead, 0.6 GB/s).
+    let spans: Vec<Option<(usize, u64, u64)>> = manifest.layers[..n]
         .iter()
-        .map(|pl| source_range(&ck, pl))
+        .map(|pl| source_span(&ck, pl))
         .collect();
-    let compared = AtomicUsize::new(0);
-    let finished = AtomicBool::new(false);
+    let (free_tx, free_rx) = mpsc::channel::<Option<AlignedBuf>>();
+    let (full_tx, full_rx) = mpsc::channel::<Option<Result<Source, String>>>();
+    for _ in 0..AHEAD + 1 {
+        let _ = free_tx.send(None);
+    }
     std::thread::scope(|sc| {
-        sc.spawn(|| read_ahead(&ranges, &compared, &finished, stop));
+        let ck = &ck;
+        let spans = &spans;
+        sc.spawn(move || read_sources(ck, spans, &free_rx, &full_tx, stop));
         for l in 0..n {
             if stop.load(Ordering::Relaxed) {
                 r.interrupted = true;
                 break;
             }
-            compare_layer(&mut trunk, &ck, l, &mut r);
+            let src = full_rx.recv().ok().flatten();
+            let (src, problem) = match src {
+                Some(Ok(s)) => (Some(s), None),
+                Some(Err(e)) => (None, Some(e)),
+                None => (None, None),
+            };
+            if let Some(e) = problem {
+                r.n_problems += 1;
+                r.bad_layers.push(l);
+                if r.problems.len() < MAX_NAMED {
+                    r.problems
+                        .push(format!("layer {l}: the checkpoint's bytes: {e}"));
+                }
+            } else {
+                compare_layer(&mut trunk, ck, src.as_ref(), l, &mut r);
+            }
+            let _ = free_tx.send(src.map(|s| s.buf));
             r.layers_checked += 1;
-            compared.store(l + 1, Ordering::Relaxed);
             bar.inc(manifest.layers[l].size);
         }
-        finished.store(true, Ordering::Relaxed);
+        // the reader ends: no more buffers coming back
+        drop(free_tx);
+        drop(full_rx);
     });
     bar.finish_and_clear();
     r.seconds = started.elapsed().as_secs_f64();
@@ -122,53 +147,105 @@ pub fn check_trunk(
 /// Layers read ahead of the one compared, on the checkpoint's side.
 const AHEAD: usize = 2;
 
-/// The checkpoint bytes of a packed layer: its tensors' span in the shard's mapping.
-fn source_range(ck: &Checkpoint, pl: &super::pack::PackedLayer) -> Option<(usize, usize)> {
-    let mut lo = usize::MAX;
-    let mut hi = 0usize;
-    for t in &pl.tensors {
-        let b = ck.try_bytes(&t.name)?;
-        lo = lo.min(b.as_ptr() as usize);
-        hi = hi.max(b.as_ptr() as usize + b.len());
-    }
-    (hi > lo).then_some((lo, hi - lo))
+/// One layer's checkpoint bytes: `buf[lead..lead + len]` holds shard `shard` from offset `lo`.
+struct Source {
+    buf: AlignedBuf,
+    lead: usize,
+    shard: usize,
+    lo: u64,
+    len: usize,
 }
 
-/// Fault in each layer's checkpoint range in 4 MiB pieces, at most [`AHEAD`] layers ahead of
-/// `compared`; ends when the comparison has `finished` or on Ctrl-C. Only a hint: a piece the
-/// kernel refuses is read by the comparison's own faults.
-fn read_ahead(
-    ranges: &[Option<(usize, usize)>],
-    compared: &AtomicUsize,
-    finished: &AtomicBool,
+/// A packed layer's tensors' span in one shard of the checkpoint (from the checkpoint's own
+/// table): (shard, first byte, end); `None` when they are not all in one shard (then that
+/// layer is compared through the mapping).
+fn source_span(ck: &Checkpoint, pl: &super::pack::PackedLayer) -> Option<(usize, u64, u64)> {
+    let mut span: Option<(usize, u64, u64)> = None;
+    for t in &pl.tensors {
+        let (sh, off, len) = ck.shard_span(&t.name)?;
+        span = match span {
+            None => Some((sh, off, off + len)),
+            Some((s, lo, hi)) if s == sh => Some((s, lo.min(off), hi.max(off + len))),
+            Some(_) => return None,
+        };
+    }
+    span
+}
+
+/// Read each layer's checkpoint span into a buffer that came back on `free` (grown when too
+/// small) and send it on `full`, in layer order; `None` for a layer without a span. Ends when
+/// no buffer comes back, the comparison stops receiving, or on Ctrl-C.
+fn read_sources(
+    ck: &Checkpoint,
+    spans: &[Option<(usize, u64, u64)>],
+    free: &mpsc::Receiver<Option<AlignedBuf>>,
+    full: &mpsc::Sender<Option<Result<Source, String>>>,
     stop: &AtomicBool,
 ) {
-    const PIECE: usize = 4 << 20;
-    for (k, r) in ranges.iter().enumerate() {
-        while k > compared.load(Ordering::Relaxed) + AHEAD {
-            if finished.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed) {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
+    let mut files: Vec<Option<DirectFile>> = ck.shards().iter().map(|_| None).collect();
+    for span in spans {
+        let Ok(buf) = free.recv() else { return };
+        if stop.load(Ordering::Relaxed) {
+            return;
         }
-        let Some((addr, len)) = *r else { continue };
-        for off in (0..len).step_by(PIECE) {
-            if finished.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed) {
-                return;
+        let msg = span.map(|(shard, lo, hi)| {
+            let path = &ck.shards()[shard].path;
+            if files[shard].is_none() {
+                files[shard] = Some(DirectFile::open(path, true).map_err(|e| e.to_string())?);
             }
-            let _ = super::trunk::populate_read(addr + off, PIECE.min(len - off), false);
+            let f = files[shard].as_ref().expect("opened above");
+            let len = (hi - lo) as usize;
+            let need = f.span(lo, len).len;
+            let mut buf = match buf {
+                Some(b) if b.capacity() >= need => b,
+                _ => AlignedBuf::new(need)
+                    .map_err(|e| format!("cannot allocate a read buffer: {e}"))?,
+            };
+            let lead = f
+                .read_into(lo, len, buf.full_mut())
+                .map_err(|e| e.to_string())?;
+            Ok(Source {
+                buf,
+                lead,
+                shard,
+                lo,
+                len,
+            })
+        });
+        if full.send(msg).is_err() {
+            return;
         }
     }
+}
+
+/// The checkpoint's bytes of tensor `name`: from the layer's read span when it holds them,
+/// else through the mapping.
+fn want_bytes<'a>(ck: &'a Checkpoint, src: Option<&'a Source>, name: &str) -> Option<&'a [u8]> {
+    if let (Some(s), Some((sh, off, len))) = (src, ck.shard_span(name))
+        && sh == s.shard
+        && off >= s.lo
+        && off + len <= s.lo + s.len as u64
+    {
+        let at = s.lead + (off - s.lo) as usize;
+        return Some(&s.buf.full()[at..at + len as usize]);
+    }
+    ck.try_bytes(name)
 }
 
 /// Compare layer `l` as the trunk serves it with the checkpoint, tensor by tensor, into `r`.
-fn compare_layer(trunk: &mut StreamedTrunk, ck: &Checkpoint, l: usize, r: &mut CheckReport) {
+fn compare_layer(
+    trunk: &mut StreamedTrunk,
+    ck: &Checkpoint,
+    src: Option<&Source>,
+    l: usize,
+    r: &mut CheckReport,
+) {
     let mut bad = false;
     match trunk.layer(l) {
         Ok(lw) => {
             for t in &lw.tensors {
                 let name = t.decl.name.as_str();
-                let problem = match ck.try_bytes(name) {
+                let problem = match want_bytes(ck, src, name) {
                     None => Some(format!(
                         "layer {l}: {name} is served by the trunk but not in the checkpoint"
                     )),

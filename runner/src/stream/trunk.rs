@@ -198,7 +198,7 @@ const WILLNEED_STEP: usize = 1 << 20;
 /// `MADV_WILLNEED` in [`WILLNEED_STEP`]s, which start reads of exactly those pages (in 4 KiB
 /// folios) and return; the populate then waits for them. A page the advice did not reach is
 /// read by its fault, with the normal read-around.
-pub(crate) fn populate_read(addr: usize, len: usize, huge: bool) -> std::io::Result<()> {
+fn populate_read(addr: usize, len: usize, huge: bool) -> std::io::Result<()> {
     let (start, len) = page_range(addr, len);
     // SAFETY: the range lies inside a live mapping owned by the caller (see `PinLoad`);
     // WILLNEED and POPULATE_READ only read the file's pages in and map them.

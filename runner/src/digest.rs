@@ -5,7 +5,8 @@
 //! any other file: SHA-1 of `blob <size>\0` + content), reading files for them on a few
 //! threads with a progress bar, Ctrl-C between chunks, and the digests kept from earlier runs
 //! (`MODEL_DIR/.k3-run-verify.json`, one entry per file with its size, inode and modification
-//! time), so an interrupted check of the 1.56 TB release continues where it stopped.
+//! time; in the user's cache directory when MODEL_DIR cannot be written), so an interrupted
+//! check of the 1.56 TB release continues where it stopped.
 //! Must not: decide what a mismatch means (that is `verify`), read a file that failed a cheaper
 //! check first.
 
@@ -124,6 +125,8 @@ pub struct Report {
     pub seconds: f64,
     /// Why the digests could not be kept (an interrupted check would then start over).
     pub keep_error: Option<String>,
+    /// Where the digests were kept instead of the checkpoint directory, and why.
+    pub kept_elsewhere: Option<String>,
 }
 
 /// How to run a pass.
@@ -188,26 +191,79 @@ struct KeptFile {
 const KEPT_VERSION: u32 = 1;
 
 /// The kept digests of one directory, saved after every file (write to a temporary name,
-/// rename), so Ctrl-C or a crash loses at most the files being read.
+/// rename), so Ctrl-C or a crash loses at most the files being read. They go into the
+/// directory itself, or, when it cannot be written (a read-only mount), into the user's cache
+/// directory ([`fallback_path`]).
 struct Kept {
     path: PathBuf,
+    fallback: Option<PathBuf>,
     file: KeptFile,
+    /// Where the digests went instead of the directory, and why.
+    moved: Option<String>,
     error: Option<String>,
 }
 
+/// `$XDG_CACHE_HOME/k3-run/verify/<dir name>-<hash of its full path>.json` (or under
+/// `$HOME/.cache`): where the digests of a directory that cannot be written are kept.
+fn fallback_path(dir: &Path) -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .map(|h| h.join(".cache"))
+        })?;
+    let full = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // FNV-1a 64 of the path: a stable name per directory
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in full.as_os_str().as_encoded_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let name: String = full
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    Some(
+        base.join("k3-run/verify")
+            .join(format!("{name}-{h:016x}.json")),
+    )
+}
+
+fn read_kept(path: &Path) -> Option<KeptFile> {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<KeptFile>(&b).ok())
+        .filter(|f| f.version == KEPT_VERSION)
+}
+
 impl Kept {
-    /// Load `dir/.k3-run-verify.json`; a missing, unreadable or foreign file is an empty one (it
-    /// is rewritten at the first finished file).
+    /// Load `dir/.k3-run-verify.json` and the cache directory's file of `dir`, the
+    /// directory's entries first; a missing, unreadable or foreign file is an empty one (it is
+    /// rewritten at the first finished file).
     fn load(dir: &Path) -> Kept {
         let path = dir.join(KEPT_FILE);
-        let file = std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<KeptFile>(&b).ok())
-            .filter(|f| f.version == KEPT_VERSION)
-            .unwrap_or_default();
+        let fallback = fallback_path(dir);
+        let mut file = fallback.as_deref().and_then(read_kept).unwrap_or_default();
+        if let Some(here) = read_kept(&path) {
+            file.files.extend(here.files);
+        }
         Kept {
             path,
+            fallback,
             file,
+            moved: None,
             error: None,
         }
     }
@@ -231,12 +287,22 @@ impl Kept {
         if self.error.is_some() {
             return;
         }
-        if let Err(e) = self.save() {
-            self.error = Some(format!(
-                "cannot keep digests in {}: {e}",
-                self.path.display()
-            ));
+        let Err(e) = self.save() else { return };
+        if self.moved.is_none()
+            && let Some(fb) = self.fallback.clone()
+        {
+            let why = format!("{} cannot be written: {e}", self.path.display());
+            self.path = fb;
+            let made = self.path.parent().map_or(Ok(()), std::fs::create_dir_all);
+            if made.and_then(|()| self.save()).is_ok() {
+                self.moved = Some(format!("digests kept in {} ({why})", self.path.display()));
+                return;
+            }
         }
+        self.error = Some(format!(
+            "cannot keep digests in {}: {e}",
+            self.path.display()
+        ));
     }
 
     fn save(&mut self) -> std::io::Result<()> {
@@ -492,12 +558,14 @@ pub fn hash_files(
         .filter(|(_, o)| o.is_none())
         .map(|(j, _)| j.name.clone())
         .collect();
+    let kept = kept.into_inner().unwrap();
     Report {
         outcomes: outcomes.into_iter().flatten().collect(),
         unfinished,
         bytes_read: read.into_inner(),
         seconds: started.elapsed().as_secs_f64(),
-        keep_error: kept.into_inner().unwrap().error,
+        keep_error: kept.error,
+        kept_elsewhere: kept.moved,
     }
 }
 

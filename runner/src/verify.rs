@@ -79,7 +79,8 @@ pub struct VerifyArgs {
     /// Also read every published file whole and compare its content with the digest the
     /// --sizes tree listing gives (`lfs.oid`, SHA-256, for LFS files; `oid`, the git blob id,
     /// for the others). The release is 1.56 TB: about 15-20 minutes at 1.5 GB/s. Digests are
-    /// kept in MODEL_DIR/.k3-run-verify.json per file (size, inode, modification time), so a
+    /// kept in MODEL_DIR/.k3-run-verify.json per file (size, inode, modification time; in
+    /// $XDG_CACHE_HOME or ~/.cache/k3-run/verify/ when MODEL_DIR cannot be written), so a
     /// check stopped by Ctrl-C continues where it stopped when run again.
     #[arg(long, requires = "sizes")]
     pub hash: bool,
@@ -742,6 +743,9 @@ fn hash_published(
             "note   : {undigested} listed file{} no digest in the listing (size checked only)",
             if undigested == 1 { " has" } else { "s have" }
         ));
+    }
+    if let Some(m) = r.kept_elsewhere {
+        lines.push(format!("note   : {m}"));
     }
     if let Some(e) = r.keep_error {
         lines.push(format!(

@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 
 mod bin_support;
 mod verify_support;
-use bin_support::{code, fixture_a, fresh_dir, s, stderr};
+use bin_support::{code, fixture_a, fresh_dir, k3_env, s, stderr};
 use verify_support::{assert_match, copy_a, fetch_again, stdout, verify};
 
 /// The output of an external program, which must succeed.
@@ -290,4 +290,37 @@ fn verify_hash_usage_errors_exit_2() {
             stderr(&o)
         );
     }
+}
+
+/// A checkpoint directory where the kept digests cannot be written (here: their file name is
+/// taken by a directory) keeps them in the user's cache directory instead, and the next run
+/// finds them there.
+#[test]
+fn verify_hash_keeps_digests_in_the_cache_dir_when_the_model_dir_refuses() {
+    let d = copy_a("verify_hash_ro");
+    let tree = d.parent().unwrap().join("verify_hash_ro_tree.json");
+    let n = listing(&d, &tree);
+    std::fs::create_dir(d.join(".k3-run-verify.json")).unwrap();
+    let cache = fresh_dir("verify_hash_ro_cache");
+    let run = || {
+        k3_env(
+            &["verify", s(&d), "--sizes", s(&tree), "--hash"],
+            &[("XDG_CACHE_HOME", s(&cache))],
+        )
+    };
+    let o = run();
+    let out = assert_match(&o);
+    let at = cache.join("k3-run/verify");
+    assert!(
+        out.contains(&format!("note   : digests kept in {}/", at.display())),
+        "{out}"
+    );
+    let kept: Vec<_> = std::fs::read_dir(&at).unwrap().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let o = run();
+    let out = assert_match(&o);
+    assert!(
+        out.contains(&format!(", {n} kept from an earlier run")),
+        "{out}"
+    );
 }

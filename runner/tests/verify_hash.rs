@@ -70,6 +70,14 @@ fn listing(dir: &Path, at: &Path) -> usize {
     names.len()
 }
 
+/// A copy of fixture A named `name` and its tree listing: (directory, listing, files listed).
+fn listed_copy(name: &str) -> (std::path::PathBuf, std::path::PathBuf, usize) {
+    let d = copy_a(name);
+    let tree = d.parent().unwrap().join(format!("{name}_tree.json"));
+    let n = listing(&d, &tree);
+    (d, tree, n)
+}
+
 /// Flip every bit of the byte at `offset` (the file keeps its size).
 fn flip(p: &Path, offset: u64) {
     let mut b = [0u8; 1];
@@ -86,9 +94,7 @@ fn flip(p: &Path, offset: u64) {
 
 #[test]
 fn verify_hash_finds_what_sizes_cannot() {
-    let d = copy_a("verify_hash");
-    let tree = d.parent().unwrap().join("verify_hash_tree.json");
-    let n = listing(&d, &tree);
+    let (d, tree, n) = listed_copy("verify_hash");
     let shards: Vec<String> = {
         let mut v: Vec<String> = std::fs::read_dir(&d)
             .unwrap()
@@ -178,9 +184,8 @@ fn verify_hash_finds_what_sizes_cannot() {
 /// what the first finished and reads the rest.
 #[test]
 fn verify_hash_interrupted_continues() {
-    let d = copy_a("verify_hash_interrupt");
-    let tree = d.parent().unwrap().join("verify_hash_interrupt_tree.json");
-    let n = listing(&d, &tree) + 1;
+    let (d, tree, n) = listed_copy("verify_hash_interrupt");
+    let n = n + 1;
     // 3 GB of zeros that take no disk (sparse), listed with a wrong digest: reading it takes
     // seconds, so Ctrl-C lands while it is read
     const BIG: u64 = 3_000_000_000;
@@ -297,9 +302,7 @@ fn verify_hash_usage_errors_exit_2() {
 /// finds them there.
 #[test]
 fn verify_hash_keeps_digests_in_the_cache_dir_when_the_model_dir_refuses() {
-    let d = copy_a("verify_hash_ro");
-    let tree = d.parent().unwrap().join("verify_hash_ro_tree.json");
-    let n = listing(&d, &tree);
+    let (d, tree, n) = listed_copy("verify_hash_ro");
     std::fs::create_dir(d.join(".k3-run-verify.json")).unwrap();
     let cache = fresh_dir("verify_hash_ro_cache");
     let run = || {

@@ -438,10 +438,11 @@ def define():
     idxv("missing_file", ("special", "delete"), "error", kw=[IDX])
     idxv("is_dir", ("special", "dir"), "error", kw=[IDX])
     idxv("symloop", ("special", "symloop"), "error", kw=[IDX])
-    # a shard that no entry refers to removed -> fine; every shard removed but listed
+    # shard 2's entries moved to shard 1 and shard 2 deleted: shard 1 lacks those tensors, so
+    # the message names shard 1 (and a tensor the index wrongly puts there)
     idxv("unreferenced_shard_deleted", lambda o: [setp(o, W + (k,), SHARD[0]) for k, v in
                                                   list(o["weight_map"].items()) if v == SHARD[1]] and None,
-         "error", kw=[SHARD[1]], extra={SHARD[1]: ("special", "delete")})
+         "error", kw=[SHARD[0]], extra={SHARD[1]: ("special", "delete")})
 
     # ---------------- safetensors shards
     def shv(name, fn, shard=0, expect="error", kw=None, args=None, cat="shard"):
@@ -483,7 +484,9 @@ def define():
     shv("hdr_metadata_nested", st_mut(lambda h, d: h.update({"__metadata__": {"a": {"b": 1}}})),
         expect="any")
     def dup_tensor(n, h, d):
-        hb = h.rstrip().rstrip(b"}") + b',"%s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}' % EMB.encode()
+        hb = h.rstrip()
+        assert hb.endswith(b"}")  # drop only the header object's closing brace
+        hb = hb[:-1] + b',"%s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}' % EMB.encode()
         return struct.pack("<Q", len(hb)) + hb + d
     shv("hdr_dup_tensor", st_raw(dup_tensor), expect="any", kw=[EMB])
     shv("hdr_extra_tensor", st_mut(lambda h, d: h.update(

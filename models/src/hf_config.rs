@@ -187,7 +187,16 @@ pub struct QuantizationConfig {
 
 /// Read config.json text. `file` is used in messages. Every problem is reported.
 pub fn read_config(text: &str, file: &str, needs: &ConfigNeeds) -> Result<ConfigDims, SpecErrors> {
-    let root: Value = serde_json::from_str(text).map_err(|e| {
+    let root = parse_config_json(text, file)?;
+    read_config_value(&root, file, needs)
+}
+
+/// Parse config.json text into a [`Value`]. Besides syntax errors, a key given twice in one
+/// object with two different values is refused, naming its path and both values: Python's
+/// `json` (and so `transformers`) silently keeps the last one, and which one the checkpoint
+/// was written for cannot be known. A key repeated with the same value is accepted.
+pub fn parse_config_json(text: &str, file: &str) -> Result<Value, SpecErrors> {
+    let syntax = |e: serde_json::Error| {
         SpecErrors(vec![SpecError::new(
             ErrorKind::Syntax,
             Place::File {
@@ -195,8 +204,122 @@ pub fn read_config(text: &str, file: &str, needs: &ConfigNeeds) -> Result<Config
             },
             format!("not valid JSON: {e}"),
         )])
-    })?;
-    read_config_value(&root, file, needs)
+    };
+    let conflicts = std::cell::RefCell::new(Vec::new());
+    let mut de = serde_json::Deserializer::from_str(text);
+    let root = serde::de::DeserializeSeed::deserialize(
+        Checked {
+            path: String::new(),
+            conflicts: &conflicts,
+        },
+        &mut de,
+    )
+    .map_err(syntax)?;
+    de.end().map_err(syntax)?;
+    let conflicts = conflicts.into_inner();
+    if conflicts.is_empty() {
+        return Ok(root);
+    }
+    Err(SpecErrors(
+        conflicts
+            .into_iter()
+            .map(|(key, first, later)| {
+                SpecError::new(
+                    ErrorKind::Invalid,
+                    Place::Config {
+                        file: file.to_string(),
+                        key,
+                    },
+                    format!(
+                        "given twice in one object with different values ({first}, then \
+                         {later}); remove one (Python's json would keep the last without a word)"
+                    ),
+                )
+            })
+            .collect(),
+    ))
+}
+
+/// Builds a [`Value`] like `serde_json`'s own parse, and records `(path, first, later)` for
+/// each key given twice in one object with different values (the later one is kept).
+struct Checked<'a> {
+    path: String,
+    conflicts: &'a std::cell::RefCell<Vec<(String, String, String)>>,
+}
+
+impl Checked<'_> {
+    fn child(&self, key: &str) -> Self {
+        Checked {
+            path: if self.path.is_empty() {
+                key.to_string()
+            } else {
+                format!("{}.{key}", self.path)
+            },
+            conflicts: self.conflicts,
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Checked<'_> {
+    type Value = Value;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Checked<'_> {
+    type Value = Value;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        // Non-finite numbers cannot come out of JSON text; `from` maps them to null anyway.
+        Ok(Value::from(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Checked {
+            path: format!("{}[{}]", self.path, out.len()),
+            conflicts: self.conflicts,
+        })? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let v = map.next_value_seed(self.child(&key))?;
+            if let Some(first) = out.get(&key)
+                && *first != v
+            {
+                let path = self.child(&key).path;
+                self.conflicts
+                    .borrow_mut()
+                    .push((path, first.to_string(), v.to_string()));
+            }
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// Read an already parsed config.json.

@@ -111,15 +111,7 @@ pub fn load_spec_from_str(
     config_file: &str,
 ) -> Result<ModelSpec, SpecErrors> {
     let m = manifest::parse_manifest(manifest_toml, manifest_file);
-    let c: Result<Value, SpecErrors> = serde_json::from_str(config_json).map_err(|e| {
-        SpecErrors(vec![SpecError::new(
-            ErrorKind::Syntax,
-            Place::File {
-                file: config_file.to_string(),
-            },
-            format!("not valid JSON: {e}"),
-        )])
-    });
+    let c = hf_config::parse_config_json(config_json, config_file);
     match (m, c) {
         (Ok(m), Ok(c)) => build_spec(&m, manifest_file, &c, config_file),
         (m, c) => Err(SpecErrors(

@@ -596,3 +596,35 @@ fn a_config_json_given_as_the_manifest_is_named_as_one() {
     let x = find(&e, ErrorKind::Syntax, MFILE);
     assert!(x.to_string().contains("not valid TOML"), "{e}");
 }
+
+#[test]
+fn a_config_key_given_twice_with_different_values_is_refused() {
+    let text = std::fs::read_to_string(common::data("kimi-k3-config.json")).expect("fixture");
+    let m = manifest();
+    let with = |extra: &str| {
+        let edited = text.replacen(
+            "\"hidden_size\": 7168,",
+            &format!("\"hidden_size\": 7168,\n    \"hidden_size\": {extra},"),
+            1,
+        );
+        assert_ne!(edited, text, "the fixture has the key");
+        load_spec_from_str(&m, MFILE, &edited, CFILE)
+    };
+    // Two values: which one the weights were written for cannot be known (Python's json
+    // would keep the last silently), so the key is named with both values.
+    let e = match with("7000") {
+        Ok(_) => panic!("two different values of one key must be refused"),
+        Err(e) => e,
+    };
+    let x = find(&e, ErrorKind::Invalid, "text_config.hidden_size");
+    let msg = x.to_string();
+    assert!(
+        msg.contains(CFILE) && msg.contains("7168, then 7000"),
+        "{e}"
+    );
+    assert_eq!(e.len(), 1, "{e}");
+    // The same value twice is harmless: the spec is the one of the unedited text.
+    let same = with("7168").expect("a repeated equal value loads");
+    let plain = load_spec_from_str(&m, MFILE, &text, CFILE).expect("loads");
+    assert_eq!(format!("{same:?}"), format!("{plain:?}"));
+}

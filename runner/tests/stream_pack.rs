@@ -427,3 +427,25 @@ fn trunk_json_summary_fields_are_checked() {
         .to_string();
     assert!(e.contains(TRUNK_JSON) && e.contains("packed_bytes"), "{e}");
 }
+
+#[test]
+fn a_check_stopped_before_its_first_layer_says_so_and_compares_nothing() {
+    use k3_run::stream::check::check_trunk;
+    use std::sync::atomic::AtomicBool;
+    let (_dir, model, spec, trunk) = packed_tiny("check_stopped", "trunk");
+    let n = TrunkManifest::load(&trunk, &spec)
+        .expect("manifest")
+        .layers
+        .len();
+    // not stopped: every layer compared, every tensor equal
+    let r = check_trunk(&model, &spec, &trunk, &AtomicBool::new(false), false).expect("check");
+    assert!(!r.interrupted);
+    assert_eq!((r.layers, r.layers_checked, r.n_problems), (n, n, 0));
+    assert!(r.tensors_checked > 0 && r.bytes_checked > 0);
+    // Ctrl-C already pressed (the flag `k3-run pack-trunk --check` passes): the report says
+    // interrupted, with no layer counted as checked, so the command cannot claim a match
+    let r = check_trunk(&model, &spec, &trunk, &AtomicBool::new(true), false).expect("check");
+    assert!(r.interrupted);
+    assert_eq!((r.layers, r.layers_checked, r.n_problems), (n, 0, 0));
+    assert_eq!((r.tensors_checked, r.bytes_checked), (0, 0));
+}

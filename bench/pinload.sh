@@ -18,7 +18,15 @@
 # once before the rounds (a pool's first use faults its pages in on the host) and put back to
 # its old size at the end.
 #
-# Usage: bench/pinload.sh [ROUNDS=5]   (environment: see lib.sh; COLD_WAIT [12]; POOL_PAGES)
+# PAGE_REPORTING_ORDER=N sets /sys/module/page_reporting/parameters/page_reporting_order for the
+# rounds (a value above the kernel's largest page order, e.g. 11 where the kernel accepts it,
+# stops free page reporting) after touching MemAvailable less 2 GB once, so that memory the
+# guest had handed back is backed again; the old value is put back at the end. CAP_GB=G runs
+# every engine run in its own cgroup v1 memory cap of G GB, swap 0 (lib.sh k3b_run_capped),
+# and logs the cgroup's peak and failcnt.
+#
+# Usage: bench/pinload.sh [ROUNDS=5]   (environment: see lib.sh; COLD_WAIT [12]; POOL_PAGES;
+#        PAGE_REPORTING_ORDER; CAP_GB; CONDS: the conditions, default "warm cold pagecache")
 source "$(dirname "$0")/lib.sh"
 k3b_need_bin
 k3b_need_root "pinload.sh"
@@ -33,13 +41,25 @@ all="$(jq -r '[.layers[].size] | add / 1e9 + 0.001' "$TRUNK/trunk.json")"
 nopool="$out/direct-no-pool.toml"
 sed 's/^reserved_huge_pages = true/reserved_huge_pages = false/' "$K3B_ROOT/configs/io/direct.toml" > "$nopool"
 grep -q '^reserved_huge_pages = false' "$nopool" || k3b_die "configs/io/direct.toml has no reserved_huge_pages = true"
-conds="warm cold pagecache"
+conds="${CONDS:-warm cold pagecache}"
+restore=""
+if [ -n "${PAGE_REPORTING_ORDER:-}" ]; then
+    pro=/sys/module/page_reporting/parameters/page_reporting_order
+    [ -w "$pro" ] || k3b_die "PAGE_REPORTING_ORDER: no writable $pro"
+    old_order="$(cat "$pro")"
+    restore="echo $old_order > $pro"
+    trap 'eval "$restore"' EXIT
+    echo "$PAGE_REPORTING_ORDER" > "$pro" || k3b_die "the kernel refused page_reporting_order $PAGE_REPORTING_ORDER"
+    avail_gb="$(awk '/^MemAvailable:/ {printf "%.1f", $2 * 1024 / 1e9 - 2}' /proc/meminfo)"
+    k3b_log "page_reporting_order $PAGE_REPORTING_ORDER (was $old_order); backing $avail_gb GB once: $(python3 "$K3B_ROOT/bench/touch_memory.py" "$avail_gb")"
+fi
 if [ -n "${POOL_PAGES:-}" ]; then
     old_pool="$(cat /proc/sys/vm/nr_hugepages)"
-    trap 'echo "$old_pool" > /proc/sys/vm/nr_hugepages' EXIT
+    restore="$restore; echo $old_pool > /proc/sys/vm/nr_hugepages"
+    trap 'eval "$restore"' EXIT
     echo "$POOL_PAGES" > /proc/sys/vm/nr_hugepages
     k3b_log "reserved pool: $(grep HugePages_Free /proc/meminfo) (was $old_pool pages)"
-    conds="warm cold pagecache pool"
+    conds="$conds pool"
     "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" --cache-gb 0.017 \
         --out "$out/pool-first-use.json" > "$out/pool-first-use.log" 2>&1 || k3b_die "pool first use failed"
     [ "$(jq -r '.trunk.hugetlb_bytes' "$out/pool-first-use.json")" -gt 0 ] ||
@@ -60,12 +80,20 @@ for r in $(seq 1 "$ROUNDS"); do
         io="$nopool"
         [ "$cond" = pool ] && io=direct
         [ "$cond" = pagecache ] && io="$K3B_ROOT/configs/io/page-cache.toml"
-        K3_PIN_SYNC=1 "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK" --trunk-gb "$all" \
-            --cache-gb 0.017 --io "$io" --out "$out/$r.$cond.json" > "$out/$r.$cond.log" 2>&1
+        run=(env K3_PIN_SYNC=1 "$K3B_BIN" "$MODEL" --ids 1,2,3,4 --gen 1 --trunk "$TRUNK"
+            --trunk-gb "$all" --cache-gb 0.017 --io "$io" --out "$out/$r.$cond.json")
+        capped=""
+        if [ -n "${CAP_GB:-}" ]; then
+            k3b_run_capped "$CAP_GB" "$out/$r.$cond.cap.json" "$out/$r.$cond.log" -- "${run[@]}" ||
+                k3b_die "round $r $cond failed under the cap (see $out/$r.$cond.log)"
+            capped=", cap $CAP_GB GB: peak $(jq -r '.cgroup_peak_bytes / 1e9 | . * 100 | round / 100' "$out/$r.$cond.cap.json") GB, failcnt $(jq -r .cgroup_failcnt "$out/$r.$cond.cap.json")"
+        else
+            "${run[@]}" > "$out/$r.$cond.log" 2>&1
+        fi
         load="$(jq -r '.trunk.bytes_read / .pinned_load_seconds / 1e6 | round' "$out/$r.$cond.json")"
         ratio="$(awk -v a="$load" -v b="$probe" 'BEGIN {printf "%.3f", a / b}')"
         printf '%s\t%s\t%s\t%s\t%s\n' "$r" "$cond" "$probe" "$load" "$ratio" >> "$out/pinload.tsv"
-        k3b_log "round $r $cond: probe $probe MB/s, load $load MB/s, ratio $ratio (load $(k3b_load))"
+        k3b_log "round $r $cond: probe $probe MB/s, load $load MB/s, ratio $ratio (load $(k3b_load))$capped"
     done
 done
 for cond in $conds; do

@@ -522,7 +522,7 @@ pub fn memory_settings(
             notes.push(format!(
                 "warning: preset {} assumes a packed trunk (--trunk DIR from `k3-run pack-trunk`); \
                  without it the trunk is resident, so the preset's trunk budget ({:.2} GB){} \
-                 not applied; only its expert cache ({:.2} GB) is",
+                 not applied; only the expert cache ({:.3} GB) is",
                 p.name,
                 p.trunk_gb,
                 if p.ultra_low_memory {
@@ -532,7 +532,7 @@ pub fn memory_settings(
                 } else {
                     " is"
                 },
-                p.cache_gb,
+                cache_gb.unwrap_or(p.cache_gb),
             ));
         }
     }
@@ -733,7 +733,7 @@ pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Fa
             p.display()
         ))),
         (true, ConfigKind::ModelJson) => Err(Failure::usage(format!(
-            "--config {}: this is JSON (a model config.json) but the name ends in .toml, which \
+            "--config {}: this is JSON (a model config.json) but the name ends in .toml; \
              {expects}: rename it to .json",
             p.display()
         ))),

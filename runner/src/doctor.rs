@@ -1102,10 +1102,16 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         .as_deref()
         .map(shell_path)
         .unwrap_or_else(|| "~/k3model".into());
+    // A --dir in RAM (tmpfs, ramfs) was refused above: the trunk is not suggested there.
+    let dir_in_ram = statfs(&a.dir).is_ok_and(|st| fs_is_ram(st.f_type as i64));
     let trunk_dir = a.trunk.clone().unwrap_or_else(|| {
-        std::fs::canonicalize(&a.dir)
-            .unwrap_or_else(|_| a.dir.clone())
-            .join("k3trunk")
+        if dir_in_ram {
+            PathBuf::from("/path/on/a/local/disk/k3trunk")
+        } else {
+            std::fs::canonicalize(&a.dir)
+                .unwrap_or_else(|_| a.dir.clone())
+                .join("k3trunk")
+        }
     });
     let trunk = shell_path(&trunk_dir);
     let mut next = Vec::new();

@@ -176,10 +176,21 @@ pub fn load_resident(
         }
         Ok(())
     };
-    if parts.is_empty()
-        || mode == ResidentMode::Mmap
-        || m.io.trunk == crate::stream::io_policy::TrunkIo::Mmap
-    {
+    let mmap_policy = m.io.trunk == crate::stream::io_policy::TrunkIo::Mmap;
+    // An arena asked for and not loaded is said, not dropped silently.
+    if mode == ResidentMode::Arena && (parts.is_empty() || mmap_policy) {
+        startup.push(
+            if parts.is_empty() {
+                "resident weights: none (trunk, routed experts, embedding and lm_head all \
+                 streamed), so --resident arena (or K3_RESIDENT=arena) has nothing to load"
+            } else {
+                "resident weights: the I/O policy `mmap` serves them from the checkpoint's \
+                 memory maps, so --resident arena (or K3_RESIDENT=arena) is not used"
+            }
+            .to_string(),
+        );
+    }
+    if parts.is_empty() || mode == ResidentMode::Mmap || mmap_policy {
         check_mapped(ckpt)?;
         return Ok((None, MAPPED));
     }

@@ -288,8 +288,9 @@ fn on_subset<T>(
     r
 }
 
-/// Greedy generation of several prompts decoded TOGETHER ([`Executor::step_batch`]): each
-/// prompt is prefilled on its own, then every step feeds each active sequence its next id, so
+/// Greedy generation of several prompts decoded TOGETHER ([`Executor::step_batch`]): the
+/// prompts are prefilled together (rounds of about `prefill_chunk` tokens in all, a streamed
+/// trunk read once per round), then every step feeds each active sequence its next id, so
 /// a streamed trunk is read once per step for all of them. A sequence leaves the batch at a
 /// stop id or after `n_gen` ids. Each sequence's ids and first-step hash equal generating it
 /// alone. `on_step(i)` runs after step i's ids are chosen; false stops the batch.

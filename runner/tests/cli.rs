@@ -326,6 +326,46 @@ fn doctor_refuses_a_meaningless_seconds_value() {
     }
 }
 
+/// `--dir` in RAM (tmpfs) is refused for the disk measurement, and the next commands do not
+/// suggest packing the trunk there either.
+#[test]
+fn doctor_does_not_suggest_a_trunk_on_tmpfs() {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    if !mounts
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some("/dev/shm") && l.contains(" tmpfs "))
+    {
+        eprintln!("skipped: no tmpfs at /dev/shm");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("doctor.json");
+    let o = k3(&[
+        "doctor",
+        "--no-dram",
+        "--dir",
+        "/dev/shm",
+        "--size-gb",
+        "0.01",
+        "--seconds",
+        "0.2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(
+        out.contains("NOT MEASURED") && out.contains("tmpfs"),
+        "{out}"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let next = v["next_commands"].as_array().expect("next_commands");
+    assert!(
+        next.iter()
+            .all(|c| !c.as_str().unwrap().contains("/dev/shm")),
+        "{next:?}"
+    );
+}
+
 /// `doctor`'s next commands: before a trunk is packed, check the download (`verify --release
 /// kimi-k3`), then pack, then run; with a packed trunk only the run. On a machine where no
 /// preset fits there is nothing to run and no command.
@@ -703,6 +743,30 @@ fn resident_arena_flag_gives_the_reference_ids_and_bad_values_exit_2() {
         got.push(v["first_logits_hash"].clone());
     }
     assert_eq!(got[0], got[1], "same first-step logit bits");
+    // --io mmap serves resident weights from the maps: an arena asked for is said not used
+    let out = tmp.path().join("arena-mmap.json");
+    let o = k3(&[
+        a,
+        "--ids",
+        &prompt,
+        "--gen",
+        "1",
+        "--resident",
+        "arena",
+        "--io",
+        "mmap",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--resident arena (or K3_RESIDENT=arena) is not used"),
+        "{}",
+        stderr(&o)
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(v["resident_load_seconds"].as_f64(), Some(0.0));
+    assert_eq!(ids_of(&v["generated_ids"]), want[..1]);
     let out = tmp.path().join("bad.json");
     let o = k3(&[
         a,

@@ -258,6 +258,10 @@ fn preset_ultra_without_trunk_names_what_it_does_not_apply() {
         assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
     }
     assert!(err.contains("embedding + lm_head: resident"), "{err}");
+    // the expert cache named as applied is the one in effect: a later --cache-gb's
+    let (err, ids_cache) = run(&["--preset", "ultra", "--cache-gb", "0.002"]);
+    assert!(err.contains("only the expert cache (0.002 GB) is"), "{err}");
+    assert_eq!(ids_cache, ids_resident);
     // With a packed trunk the preset's ultra-low-memory is applied.
     let trunk = dir.join("trunk");
     ok(&k3(&["pack-trunk", s(&a), s(&trunk)]));

@@ -1103,6 +1103,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         .map(shell_path)
         .unwrap_or_else(|| "~/k3model".into());
     // A --dir in RAM (tmpfs, ramfs) was refused above: the trunk is not suggested there.
+    #[allow(clippy::unnecessary_cast)] // `f_type` is not i64 on every target
     let dir_in_ram = statfs(&a.dir).is_ok_and(|st| fs_is_ram(st.f_type as i64));
     let trunk_dir = a.trunk.clone().unwrap_or_else(|| {
         if dir_in_ram {

@@ -286,6 +286,14 @@ pub struct RunArgs {
     /// chunk. A --ids / --prompt run only (fixtures/oracle/conform_layers.py compares it).
     #[arg(long, value_name = "FILE")]
     pub dump_layer_logits: Option<PathBuf>,
+    /// Write the logits after EVERY prompt token here (teacher forcing over the prompt): f32
+    /// little-endian [prompt tokens, vocab], row i after prompt token i, each the bits
+    /// token-by-token decoding gives; the last row equals --dump-logits. --out then also has
+    /// `prompt_argmax`. The lm_head runs once per prompt token; the rows are held in memory
+    /// until written (refused up front when they would take over a quarter of the memory
+    /// available). A --ids / --prompt run only (fixtures/oracle/compare_k3.py --tf-logits).
+    #[arg(long, value_name = "FILE")]
+    pub dump_prompt_logits: Option<PathBuf>,
     /// Stop when one of these ids is generated (up to 8).
     #[arg(long = "stop-id")]
     pub stop_ids: Vec<u32>,
@@ -963,6 +971,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
                 "is written by a --ids / --prompt run; --chat and --serve do not write it",
             ),
             (
+                a.dump_prompt_logits.is_some(),
+                "--dump-prompt-logits",
+                "is written by a --ids / --prompt run; --chat and --serve do not write it",
+            ),
+            (
                 a.mem.dump_cache_trace.is_some(),
                 "--dump-cache-trace",
                 "is written by a --ids / --prompt / --batch-ids run; --chat and --serve do not write it",
@@ -991,11 +1004,16 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         ));
     }
     if a.batch_ids.is_some() {
-        if a.dump_layer_logits.is_some() {
-            return Err(Failure::usage(
-                "--dump-layer-logits is written by a --ids / --prompt run (one prompt); \
-                 --batch-ids does not write it",
-            ));
+        for (given, flag) in [
+            (a.dump_layer_logits.is_some(), "--dump-layer-logits"),
+            (a.dump_prompt_logits.is_some(), "--dump-prompt-logits"),
+        ] {
+            if given {
+                return Err(Failure::usage(format!(
+                    "{flag} is written by a --ids / --prompt run (one prompt); --batch-ids \
+                     does not write it"
+                )));
+            }
         }
         return batch_main(a);
     }
@@ -1022,6 +1040,12 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.stop_ids.len() > 8 {
         return Err(Failure::usage("at most 8 --stop-id values"));
     }
+    if a.dump_layer_logits.is_some() && a.dump_prompt_logits.is_some() {
+        return Err(Failure::usage(
+            "--dump-layer-logits and --dump-prompt-logits both need the last prompt chunk's \
+             logits computed their own way: give one per run",
+        ));
+    }
     let speculation = crate::speculate::from_flag(a.speculate).map_err(Failure::usage)?;
     if speculation.is_some() && !a.incremental {
         return Err(Failure::usage(
@@ -1040,6 +1064,22 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             "{from}: token {bad} is outside the vocabulary (size {})",
             spec.vocab_size
         )));
+    }
+    if a.dump_prompt_logits.is_some() {
+        // the rows are held until the run ends: refused up front if they would crowd it out
+        let bytes = prompt.len() as u64 * spec.vocab_size as u64 * 4;
+        if let Some(limit) = crate::stream::plan::memory_limit_bytes()
+            && bytes > limit / 4
+        {
+            return Err(Failure::usage(format!(
+                "--dump-prompt-logits: {} prompt tokens x {} vocabulary x 4 bytes = {} held in \
+                 memory, over a quarter of the {} available: use a shorter prompt",
+                prompt.len(),
+                spec.vocab_size,
+                crate::stream::fmt_bytes(bytes),
+                crate::stream::fmt_bytes(limit)
+            )));
+        }
     }
     let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
     let threads = run_threads(a)?;
@@ -1140,6 +1180,7 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         let opts = run::GenOptions {
             speculate: speculation,
             layer_logits: a.dump_layer_logits.is_some(),
+            prompt_logits: a.dump_prompt_logits.is_some(),
         };
         run::generate_with(&spec, exec, providers, &req, start, opts, &mut on_token)
     });
@@ -1370,9 +1411,18 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         }
     );
     dump_logits(a, &[&res.first_logits])?;
-    dump_layer_logits(a, &res.layer_logits)?;
+    dump_rows(
+        a.dump_layer_logits.as_deref(),
+        "--dump-layer-logits",
+        &res.layer_logits,
+    )?;
+    dump_rows(
+        a.dump_prompt_logits.as_deref(),
+        "--dump-prompt-logits",
+        &res.prompt_logits,
+    )?;
     dump_expert_trace(a, providers)?;
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "model": spec.name,
         "prompt_ids": res.prompt_ids,
         "resumed_positions": prefix_ids.len(),
@@ -1421,6 +1471,15 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         },
         "io_share": io_share,
     });
+    if a.dump_prompt_logits.is_some() {
+        // the argmax after every prompt token (compare_k3.py --tf-argmax)
+        json["prompt_argmax"] = res
+            .prompt_logits
+            .chunks(spec.vocab_size)
+            .map(|l| k3_kernels::ops::argmax(l) as u32)
+            .collect::<Vec<u32>>()
+            .into();
+    }
     let text = serde_json::to_string_pretty(&json).map_err(|e| Failure {
         code: exit::OUT_WRITE,
         msg: e.to_string(),
@@ -1471,16 +1530,24 @@ fn dump_logits(a: &RunArgs, blocks: &[&[f32]]) -> Result<(), Failure> {
     })
 }
 
-/// `--dump-layer-logits FILE`: the first step's early-exit logits, f32 little-endian
-/// `[layers, vocab]` ([`run::GenResult::layer_logits`]).
-fn dump_layer_logits(a: &RunArgs, rows: &[f32]) -> Result<(), Failure> {
-    let Some(p) = &a.dump_layer_logits else {
+/// `--dump-layer-logits FILE` / `--dump-prompt-logits FILE`: rows of f32 logits,
+/// little-endian ([`run::GenResult::layer_logits`], [`run::GenResult::prompt_logits`]).
+fn dump_rows(path: Option<&Path>, flag: &str, rows: &[f32]) -> Result<(), Failure> {
+    use std::io::Write;
+    let Some(p) = path else {
         return Ok(());
     };
-    let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
-    std::fs::write(p, bytes).map_err(|e| Failure {
+    // written through a buffer, not copied whole: the prompt's rows can be large
+    let write = || -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(p)?);
+        for v in rows {
+            f.write_all(&v.to_le_bytes())?;
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    };
+    write().map_err(|e| Failure {
         code: exit::OUT_WRITE,
-        msg: format!("cannot write --dump-layer-logits {}: {e}", p.display()),
+        msg: format!("cannot write {flag} {}: {e}", p.display()),
     })
 }
 

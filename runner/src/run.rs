@@ -37,6 +37,11 @@ pub struct GenResult {
     /// the last row equals `first_logits`), when asked for ([`GenOptions::layer_logits`]); else empty.
     #[serde(skip)]
     pub layer_logits: Vec<f32>,
+    /// The logits after every prompt token, `[prompt_len, vocab]` (teacher forcing over the
+    /// prompt: row `i` after `prompt_ids[i]`, each the bits [`Executor::step`] gives; the last
+    /// row equals `first_logits`), when asked for ([`GenOptions::prompt_logits`]); else empty.
+    #[serde(skip)]
+    pub prompt_logits: Vec<f32>,
     /// Wall-clock seconds of the prompt (prefill) phase.
     pub prefill_seconds: f64,
     /// Wall-clock seconds until the first generated token was known.
@@ -100,6 +105,11 @@ pub struct GenOptions {
     /// `--dump-layer-logits`; the last prompt chunk runs through
     /// [`Executor::prefill_layer_logits`]). Every other output is the same bits.
     pub layer_logits: bool,
+    /// Also the logits after every prompt token ([`GenResult::prompt_logits`],
+    /// `--dump-prompt-logits`; each chunk runs through [`Executor::prefill_each`], the lm_head
+    /// once per prompt token). Every other output is the same bits. Not with `layer_logits`
+    /// (the last chunk cannot give both; the CLI refuses the pair).
+    pub prompt_logits: bool,
 }
 
 /// [`generate_from`] with [`GenOptions`]. Returns the speculation counters when it speculated.
@@ -131,6 +141,18 @@ pub fn generate_with(
     for (c, chunk) in req.prompt_ids.chunks(exec.prefill_chunk()).enumerate() {
         let fed = if opts.layer_logits && c + 1 == n_chunks {
             exec.prefill_layer_logits(chunk, &mut state, w, &mut logits, &mut rows)
+        } else if opts.prompt_logits {
+            let mut each = vec![vec![0.0f32; spec.vocab_size]; chunk.len()];
+            let fed = exec.prefill_each(chunk, &mut state, w, &mut each);
+            if fed.is_ok() {
+                for l in &each {
+                    res.prompt_logits.extend_from_slice(l);
+                }
+                if let Some(last) = each.last() {
+                    logits.copy_from_slice(last);
+                }
+            }
+            fed
         } else {
             exec.prefill(chunk, &mut state, w, &mut logits)
         };

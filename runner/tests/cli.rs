@@ -523,6 +523,114 @@ fn full_recompute_threads_and_isa_give_the_same_bits_through_the_cli() {
     assert_eq!(dump_inc, dump_full, "first-step logit bytes");
 }
 
+/// `--dump-prompt-logits`: teacher forcing over the prompt. Fed the reference's teacher-forced
+/// sequence (prompt + generated ids), every row is within the reference's per-position
+/// tolerance of its `tf_logits.f32`, `prompt_argmax` is its `tf_argmax`, and the last row is
+/// the `--dump-logits` bits. The rows are the same bytes with a packed trunk streamed through
+/// two ring slots and in prompt chunks of 7 (rows across chunk boundaries). With
+/// `--dump-layer-logits` or `--batch-ids` it is a usage error.
+#[test]
+fn dump_prompt_logits_are_the_reference_teacher_forced_logits() {
+    let s = summary_a();
+    let vocab = s["n_vocab"].as_u64().unwrap() as usize;
+    let seq = ids_of(&s["tf_sequence"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fixture_a();
+    let a = a.to_str().unwrap();
+    let ids = csv(&seq);
+    let run = |name: &str, extra: &[&str]| -> (Value, Vec<u8>, Vec<u8>) {
+        let rows = tmp.path().join(format!("{name}.f32"));
+        let step0 = tmp.path().join(format!("{name}-step0.f32"));
+        let out = tmp.path().join(format!("{name}.json"));
+        let mut args = vec![
+            a,
+            "--ids",
+            &ids,
+            "--gen",
+            "1",
+            "--incremental",
+            "--dump-prompt-logits",
+            rows.to_str().unwrap(),
+            "--dump-logits",
+            step0.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = k3(&args);
+        assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
+        let j: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (
+            j,
+            std::fs::read(&rows).unwrap(),
+            std::fs::read(&step0).unwrap(),
+        )
+    };
+    let (j, rows, step0) = run("resident", &[]);
+    assert_eq!(
+        rows.len(),
+        seq.len() * vocab * 4,
+        "[prompt tokens, vocab] f32"
+    );
+    assert_eq!(
+        &rows[rows.len() - vocab * 4..],
+        &step0[..],
+        "last row = --dump-logits"
+    );
+    assert_eq!(ids_of(&j["prompt_argmax"]), ids_of(&s["tf_argmax"]));
+    let reference =
+        f32s(&std::fs::read(repo().join("fixtures/models/A/ref/tf_logits.f32")).unwrap());
+    let mine = f32s(&rows);
+    assert_eq!(reference.len(), mine.len());
+    let tol = s["logit_tolerance_per_position"].as_array().unwrap();
+    for (p, (m, r)) in mine.chunks(vocab).zip(reference.chunks(vocab)).enumerate() {
+        let worst = m
+            .iter()
+            .zip(r)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        let t = tol[p].as_f64().unwrap() as f32;
+        assert!(worst <= t, "position {p}: {worst} > {t}");
+    }
+    // streamed through two ring slots, chunks of 7: the same bytes
+    let trunk = tmp.path().join("trunk");
+    assert_eq!(code(&k3(&["pack-trunk", a, trunk.to_str().unwrap()])), 0);
+    let m = trunk_json(&trunk);
+    let two_slots = (2 * layer_slots(&m).into_iter().max().unwrap()) as f64 / 1e9 + 1e-6;
+    let (_, streamed, _) = run(
+        "streamed",
+        &[
+            "--trunk",
+            trunk.to_str().unwrap(),
+            "--trunk-gb",
+            &format!("{two_slots:.6}"),
+            "--prefill-chunk",
+            "7",
+        ],
+    );
+    assert!(streamed == rows, "streamed, chunks of 7: other bytes");
+    // one prompt, its own way of computing the last chunk
+    let o = k3(&[
+        a,
+        "--ids",
+        "1,2",
+        "--dump-prompt-logits",
+        "x.f32",
+        "--dump-layer-logits",
+        "y.f32",
+    ]);
+    expect_fail(&o, 2, &["--dump-prompt-logits", "--dump-layer-logits"]);
+    let o = k3(&[
+        a,
+        "--batch-ids",
+        "1,2;3",
+        "--incremental",
+        "--dump-prompt-logits",
+        "x.f32",
+    ]);
+    expect_fail(&o, 2, &["--dump-prompt-logits", "--batch-ids"]);
+}
+
 /// `--prefill-chunk`: token by token (1, the one-token MoE path), uneven chunks (3) and one
 /// chunk for everything give the same ids and first-step bytes, incremental and in full
 /// recompute (which feeds the whole prefix each step); the working memory is printed with the

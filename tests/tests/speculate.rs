@@ -153,6 +153,7 @@ fn compare(model: &std::path::Path, settings: &MemorySettings, label: &str) -> S
                     GenOptions {
                         speculate: Some(Speculation::with_max_draft(k)),
                         layer_logits: false,
+                        prompt_logits: false,
                     },
                     &mut |_, _, _| true,
                 )

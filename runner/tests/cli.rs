@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 mod bin_support;
 
-use bin_support::{code, expect_fail, fixture_a, repo, stderr};
+use bin_support::{code, expect_fail, fixture_a, k3_out, repo, stderr};
 
 fn summary_a() -> Value {
     let p = repo().join("fixtures/models/A/ref/summary.json");
@@ -557,11 +557,8 @@ fn dump_prompt_logits_are_the_reference_teacher_forced_logits() {
             out.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
-        let o = k3(&args);
-        assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
-        let j: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         (
-            j,
+            k3_out(&args, &out),
             std::fs::read(&rows).unwrap(),
             std::fs::read(&step0).unwrap(),
         )

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use k3_models::spec::{ModelSpec, TensorRole};
+use k3_models::spec::ModelSpec;
 
 use crate::checkpoint::Checkpoint;
 use crate::exec::{ExecError, Executor};
@@ -21,8 +21,27 @@ use crate::plan::Plan;
 use crate::run::{self, GenRequest};
 use crate::weights::WeightError;
 
-/// The built-in manifest for Kimi K3 and every synthetic K3-family checkpoint.
-pub const KIMI_K3_MANIFEST: &str = include_str!("../../configs/models/kimi-k3.toml");
+pub use k3_engine::model::KIMI_K3_MANIFEST;
+
+/// Load and validate the model spec (manifest + config.json). Exit code 2 on any problem.
+pub fn load_spec(
+    model_dir: &Path,
+    manifest: Option<&Path>,
+    config: Option<&Path>,
+) -> Result<ModelSpec, Failure> {
+    k3_engine::model::load_spec(model_dir, manifest, config)
+        .map_err(|e| Failure::usage(e.to_string()))
+}
+
+/// [`load_spec`], and the checkpoint's files when they opened.
+pub fn load_spec_files(
+    model_dir: &Path,
+    manifest: Option<&Path>,
+    config: Option<&Path>,
+) -> Result<(ModelSpec, Option<Checkpoint>), Failure> {
+    k3_engine::model::load_spec_files(model_dir, manifest, config)
+        .map_err(|e| Failure::usage(e.to_string()))
+}
 
 /// Exit codes (SYSTEM.md §6).
 pub mod exit {
@@ -52,7 +71,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Write a random checkpoint in the exact layout of the real release.
-    Synth(crate::synth::SynthArgs),
+    Synth(SynthCli),
     /// Print the execution plan for a checkpoint (layers, bytes, state, scratch).
     Plan(PlanCli),
     /// Check the machine: memory, the preset to use, disk read bandwidth as the engine reads.
@@ -69,6 +88,38 @@ pub enum Command {
     /// Classify every tensor (routed expert, shared expert, attention, embedding, other) and
     /// print the resident floor.
     Budget(crate::budget::BudgetArgs),
+}
+
+/// Arguments of `k3-run synth`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct SynthCli {
+    /// Synth spec TOML (see configs/synth/*.toml).
+    #[arg(long)]
+    pub spec: PathBuf,
+    /// Seed of every random tensor; same seed + spec = same bytes.
+    #[arg(long)]
+    pub seed: u64,
+    /// Output checkpoint directory (must not exist, or be empty).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Model manifest the checkpoint must satisfy (default: the built-in kimi-k3 manifest).
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl From<SynthCli> for crate::synth::SynthArgs {
+    fn from(s: SynthCli) -> Self {
+        crate::synth::SynthArgs {
+            spec: s.spec,
+            seed: s.seed,
+            out: s.out,
+            manifest: s.manifest,
+            quiet: s.quiet,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -334,90 +385,6 @@ pub(crate) fn exec_failure(e: ExecError) -> Failure {
     Failure {
         code,
         msg: e.to_string(),
-    }
-}
-
-/// Load and validate the model spec (manifest + config.json). Exit code 2 on any problem.
-pub fn load_spec(
-    model_dir: &Path,
-    manifest: Option<&Path>,
-    config: Option<&Path>,
-) -> Result<ModelSpec, Failure> {
-    load_spec_files(model_dir, manifest, config).map(|(spec, _)| spec)
-}
-
-/// [`load_spec`], and the checkpoint's files when they opened (headers parsed, shards
-/// mapped, no model check yet): [`open_checkpoint`] takes them instead of opening again.
-pub fn load_spec_files(
-    model_dir: &Path,
-    manifest: Option<&Path>,
-    config: Option<&Path>,
-) -> Result<(ModelSpec, Option<Checkpoint>), Failure> {
-    let config = config
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| model_dir.join("config.json"));
-    // The files first: the index's text is held while it is parsed (59 MB at the release's
-    // 497,056 tensors), and the spec's declarations (81 MB there) are not yet beside it.
-    let files = Checkpoint::open_unchecked(model_dir).ok();
-    let spec = match manifest {
-        Some(m) => k3_models::load_spec(m, &config),
-        None => {
-            let text = k3_models::load::read_regular_file(&config).map_err(|e| {
-                Failure::usage(format!(
-                    "cannot read model config {}: {e}",
-                    config.display()
-                ))
-            })?;
-            k3_models::load_spec_from_str(
-                KIMI_K3_MANIFEST,
-                "<built-in configs/models/kimi-k3.toml>",
-                &text,
-                &config.display().to_string(),
-            )
-        }
-    };
-    let spec = spec.map_err(|e| Failure::usage(e.to_string()))?;
-    Ok((adopt_stored_a_log_len(spec, files.as_ref()), files))
-}
-
-/// `A_log` padding is storage-only (one entry per KDA head, then zeros, checked at open), and
-/// the manifest's length rule is what the released checkpoint uses. A checkpoint that pads to
-/// another length (every layer's `A_log` the same length, same layout, at least one entry per
-/// head) is the same model: bind its stored length. Anything else is left to the checkpoint's
-/// shape check, which names the tensor. No checkpoint in `model_dir` (e.g. `plan --config`)
-/// leaves the spec as it is.
-fn adopt_stored_a_log_len(spec: ModelSpec, files: Option<&Checkpoint>) -> ModelSpec {
-    let Some((rule_len, heads)) = spec.kda.as_ref().map(|k| (k.a_log_len, k.n_heads)) else {
-        return spec;
-    };
-    let Some(ck) = files else {
-        return spec;
-    };
-    let mut stored = None;
-    for d in spec
-        .tensors
-        .iter()
-        .filter(|d| d.role == TensorRole::KdaALog)
-    {
-        let Some((_, shape)) = ck.info(&d.name) else {
-            return spec;
-        };
-        // the declared layout with one free dimension: `[n]` or `[1, 1, n, 1]`
-        let at = if d.shape.len() == 4 { 2 } else { 0 };
-        let same_layout = shape.len() == d.shape.len()
-            && shape
-                .iter()
-                .zip(&d.shape)
-                .enumerate()
-                .all(|(i, (s, want))| i == at || s == want);
-        if !same_layout || stored.is_some_and(|n| n != shape[at]) {
-            return spec;
-        }
-        stored = Some(shape[at]);
-    }
-    match stored {
-        Some(n) if n != rule_len && n >= heads => spec.with_stored_a_log_len(n).unwrap_or(spec),
-        _ => spec,
     }
 }
 
@@ -2130,7 +2097,7 @@ pub fn main() -> ExitCode {
     }
     let r = match &cli.command {
         Some(Command::Plan(p)) => plan_main(p),
-        Some(Command::Synth(s)) => match crate::synth::run(s) {
+        Some(Command::Synth(s)) => match crate::synth::run(&s.clone().into()) {
             Ok(r) => {
                 println!(
                     "synth: wrote {} ({} tensors in {} shards; trunk {:.3} GB, experts {:.3} GB, global {:.3} GB)",

@@ -9,12 +9,11 @@
 //! Must not: model math (it drives [`crate::exec::Executor`]), XTML or tokenizer rules
 //! (k3-text owns them), or serialise model state (a restart re-prefills the history).
 
-pub mod batch;
 pub mod render;
 pub mod repl;
-pub mod sample;
 pub mod serve;
-pub mod session;
+
+pub use k3_engine::chat::{batch, sample, session};
 
 use std::path::PathBuf;
 

@@ -32,23 +32,18 @@ use k3_models::{ConfigDims, K3Shape};
 
 pub use spec::SynthSpec;
 
-/// Arguments of `k3-run synth`.
-#[derive(Clone, Debug, clap::Args)]
+/// What to write: the arguments of `k3-run synth`.
+#[derive(Clone, Debug)]
 pub struct SynthArgs {
     /// Synth spec TOML (see configs/synth/*.toml).
-    #[arg(long)]
     pub spec: PathBuf,
     /// Seed of every random tensor; same seed + spec = same bytes.
-    #[arg(long)]
     pub seed: u64,
     /// Output checkpoint directory (must not exist, or be empty).
-    #[arg(long)]
     pub out: PathBuf,
     /// Model manifest the checkpoint must satisfy (default: the built-in kimi-k3 manifest).
-    #[arg(long)]
     pub manifest: Option<PathBuf>,
     /// No progress bar.
-    #[arg(long)]
     pub quiet: bool,
 }
 

@@ -1,5 +1,5 @@
-//! `cargo bench -p k3-run --bench trunk_codec`: how fast a compressed trunk's records decode in
-//! place (`pack-trunk --compress`, `runner/src/stream/compress.rs`), per kernel ISA path.
+//! `cargo bench -p k3-engine --bench trunk_codec`: how fast a compressed trunk's records decode in
+//! place (`pack-trunk --compress`, `engine/src/stream/compress.rs`), per kernel ISA path.
 //!
 //! A plain `harness = false` main. The input is the first 256 MiB of `K3_BENCH_TRUNK` (a raw
 //! packed `trunk.bin`, e.g. k3-mini's) or, without it, 256 MiB of bf16 values drawn from a
@@ -18,8 +18,8 @@
 use std::io::Read;
 use std::time::Instant;
 
+use k3_engine::stream::compress::{CHUNK_BYTES, Encoder, StoredChunk, decode_in_place};
 use k3_kernels::isa;
-use k3_run::stream::compress::{CHUNK_BYTES, Encoder, StoredChunk, decode_in_place};
 
 const INPUT: usize = 256 << 20;
 

@@ -1,0 +1,60 @@
+//! k3-engine: run Kimi-family checkpoints on one CPU, streaming weights from disk, with the
+//! same output bits at every memory budget, thread count and instruction set.
+//!
+//! Map: [`checkpoint`] reads real-layout safetensors checkpoints; [`model`] binds a manifest
+//! and config.json into a spec; [`synth`] writes synthetic checkpoints; [`plan`] compiles a
+//! spec into an execution plan; [`exec`] runs the forward pass (one file per block) over the
+//! [`weights`] providers ([`resident`], optionally over an [`arena`], or [`stream`]);
+//! [`session`] builds the providers a memory budget allows; [`run`] is the decode loop
+//! ([`speculate`]: several greedy tokens per trunk pass, the same tokens); [`chat`] holds a
+//! conversation's state and batches several; [`statefile`] saves and loads decode state;
+//! [`machine`] is the one place that reads this machine's memory facts.
+#![deny(missing_docs)]
+
+// Internals: public so the `k3-run` binary, the tests and the benches reach them; their items
+// are documented where they are not obvious, and they are not covered by `missing_docs`.
+#[allow(missing_docs)]
+pub mod arena;
+#[allow(missing_docs)]
+pub mod chat;
+#[allow(missing_docs)]
+pub mod checkpoint;
+#[allow(missing_docs)]
+pub mod exec;
+#[allow(missing_docs)]
+pub mod model;
+#[allow(missing_docs)]
+pub mod plan;
+#[allow(missing_docs)]
+pub mod resident;
+#[allow(missing_docs)]
+pub mod run;
+#[allow(missing_docs)]
+pub mod session;
+#[allow(missing_docs)]
+pub mod speculate;
+#[allow(missing_docs)]
+pub mod statefile;
+#[allow(missing_docs)]
+pub mod stream;
+#[allow(missing_docs)]
+pub mod synth;
+#[allow(missing_docs)]
+pub mod weights;
+
+/// A byte-count progress bar on stderr (`MSG [=====>   ] 1.2 GiB/4 GiB (1.1 GiB/s, 3s)`), or a
+/// hidden one when `show` is false.
+pub fn bytes_bar(total: u64, show: bool, msg: &'static str) -> indicatif::ProgressBar {
+    let bar = if show {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(msg);
+    bar
+}

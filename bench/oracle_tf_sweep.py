@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/oracle_tf_sweep.py: `--dump-prompt-logits` (teacher forcing over the prompt) against
 the independent reference on 48 synthetic shapes no committed test uses (the shape table of the
-sixteenth session's regression sweep, docs/TESTING.md).
+regression sweep of 2026-12-01, sweep16 in docs/TESTING.md).
 
 Per shape, one process at a time: fixtures/oracle/synth_k3.py writes the checkpoint; ref_k3.py
 --envelope runs the reference; the engine runs the plain request, the teacher-forced run on

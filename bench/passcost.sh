@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/passcost.sh: what one layer-major pass over n tokens costs against a one-token step, at
 # a streaming budget: the bound on what speculative decoding (--speculate) gains when its
-# guesses hold (docs/PERFORMANCE.md, "Speculative decoding").
+# guesses hold (docs/PERFORMANCE.md, "Batching, prompt passes and speculation").
 #
 # Usage: sudo bench/passcost.sh
 #   Env: K3B_MODEL [$K3B_WORK/k3-mini]  K3B_TRUNK [$K3B_WORK/k3-mini-trunk]

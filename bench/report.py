@@ -91,7 +91,7 @@ def ladder(d):
         else:
             e_bw = {}
         dram_bw = dram["dram"]["reference_gb_per_s"] * 1e9 if dram and dram.get("dram") else None
-        # The VM's DRAM probe has two phases (docs/PERFORMANCE.md, seventh session): two threads
+        # The VM's DRAM probe has two phases (docs/history/PERFORMANCE-LOG.md §1.5): two threads
         # usually share ~30 GB/s, sometimes each gets its own (~55); show both figures.
         dram_1t = dram["dram"].get("one_thread_gb_per_s") if dram and dram.get("dram") else None
         e = {"key": key, "name": name, "cap": cap, "args": args, "n_ok": len(ok),

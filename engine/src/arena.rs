@@ -10,7 +10,7 @@
 //! checkpoint validated them at open), keep a page-cache copy alive (direct reads bypass the
 //! page cache; a buffered fallback drops what it read with `POSIX_FADV_DONTNEED`), or decide
 //! what is resident (the session does).
-//! Follows upstream: SYSTEM.md §3 (2 MB pages, O_DIRECT) applied to the resident path: the
+//! Follows upstream: docs/DESIGN.md §3 (2 MB pages, O_DIRECT) applied to the resident path: the
 //! executor's matvecs stream the weights once per token, and on 4 KiB-page file mappings they
 //! pay a TLB miss and a prefetcher restart every 4 KiB.
 

@@ -1,12 +1,12 @@
 //! Resident weight providers: every tensor held in RAM for the whole run.
 //!
 //! Owns: the [`TrunkSource`], [`ExpertSource`] and [`GlobalSource`] used when no packed trunk
-//! is given (SYSTEM.md §3: "without a packed trunk the whole trunk loads resident"), and which
+//! is given (docs/DESIGN.md §3: "without a packed trunk the whole trunk loads resident"), and which
 //! bytes each of them serves ([`ResidentMode`]): the checkpoint's own memory maps (page cache,
 //! 4 KiB pages; the default, and always under the `--io mmap` policy) or a [`ResidentArena`]
 //! (the checkpoint's tensors loaded once at start-up into 2 MiB-page anonymous memory; opt-in,
 //! `K3_RESIDENT=arena`: on k3-mini it decoded 2-7% faster but cost 3-16 s of start-up, see
-//! docs/PERFORMANCE.md). Every tensor is bound once at construction, including a
+//! docs/history/PERFORMANCE-LOG.md §3.1). Every tensor is bound once at construction, including a
 //! (layer, expert) -> tensors index, so a request does no name lookup.
 //! Must not: convert weights (the executor widens exactly from the checkpoint's own bytes;
 //! the arena holds a byte copy of them, so both sources give identical bits).

@@ -159,7 +159,7 @@ pub fn generate_with(
         match fed {
             Ok(()) => {}
             // A routed expert that could not be loaded: nothing is zeroed; the run reports
-            // (no ids) and exits 4 (SYSTEM.md §6).
+            // (no ids) and exits 4 (docs/DESIGN.md §6).
             Err(e @ ExecError::Weight(WeightError::Expert { .. })) => {
                 res.stopped_by = Some(format!("expert load failed: {e}"));
                 res.total_seconds = t0.elapsed().as_secs_f64();
@@ -244,7 +244,7 @@ pub fn generate_with(
         match stepped {
             Ok(()) => {}
             // A routed expert that could not be loaded: nothing is zeroed, the run stops
-            // after the ids it could compute and reports (exit 4: SYSTEM.md §6).
+            // after the ids it could compute and reports (exit 4: docs/DESIGN.md §6).
             Err(e @ ExecError::Weight(WeightError::Expert { .. })) => {
                 res.stopped_by = Some(format!("expert load failed: {e}"));
                 expert_failed = true;

@@ -3,7 +3,7 @@
 //! Owns: the decision of which provider serves the trunk (resident, streamed with pinned
 //! prefix + ring slots, or plain mmap), the routed experts (resident or the budgeted cache) and
 //! the global tensors (resident or ultra-low-memory), and the start-up lines that say so.
-//! Must not: compute, or change any byte the executor sees (NUMERICS.md §1: output bits do not
+//! Must not: compute, or change any byte the executor sees (docs/NUMERICS.md §1: output bits do not
 //! depend on any setting chosen here).
 
 use std::path::PathBuf;
@@ -322,7 +322,7 @@ impl Session<'_> {
     }
 }
 
-/// Refuse up front a request whose decode state cannot fit (SYSTEM.md §5). `limit` is
+/// Refuse up front a request whose decode state cannot fit (docs/DESIGN.md §5). `limit` is
 /// [`crate::stream::plan::memory_limit_bytes`] measured before [`build`] (after it, the pinned prefix already counts
 /// as used and would be counted twice with `planned_bytes`); `None` skips the check. Returns
 /// the line to print.

@@ -1,6 +1,6 @@
 //! Saved decode state: `--gen 0 --incremental --save-state PATH` prefills a prompt once and
 //! writes the exact state; `--load-state PATH` resumes from it (prepare a long prefix once,
-//! continue many times). SYSTEM.md §6.
+//! continue many times). docs/DESIGN.md §6.
 //!
 //! Owns: the file format. Must not: compute. The state is the executor's own f32 state
 //! (KDA conv windows + recurrent state, MLA KV cache), written bit for bit, so a resumed run

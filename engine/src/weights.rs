@@ -5,7 +5,7 @@
 //!
 //! Implementations: resident (whole trunk in RAM / mmap), streamed trunk (pinned prefix + ring
 //! slots, O_DIRECT), expert cache (byte budget, pluggable eviction). The executor never knows
-//! which one it talks to, so output bits cannot depend on it (NUMERICS.md §1).
+//! which one it talks to, so output bits cannot depend on it (docs/NUMERICS.md §1).
 
 use k3_models::spec::{ExpertFormat, TensorDecl, TensorRole};
 
@@ -74,7 +74,7 @@ pub struct ExpertWeights<'a> {
     pub w2_scale: &'a [u8],
 }
 
-/// Counters a trunk provider reports (SYSTEM.md §3, §6).
+/// Counters a trunk provider reports (docs/DESIGN.md §3, §6).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct TrunkStats {
     pub n_layers: usize,
@@ -111,7 +111,7 @@ pub struct TrunkStats {
     pub pinned_lock_error: Option<String>,
 }
 
-/// Counters an expert provider reports (SYSTEM.md §4).
+/// Counters an expert provider reports (docs/DESIGN.md §4).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct ExpertStats {
     pub requests: u64,

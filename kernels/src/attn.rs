@@ -3,7 +3,7 @@
 //! Owns: scores, softmax over positions and the weighted sum of values, per head.
 //! Must not: project, normalise or cache (the forward pass owns the KV cache layout), mask
 //! (every cached position is visible to the query), or allocate (scores are scratch).
-//! Follows: k3-architecture.md §4.5 (NoPE MLA: no rotary; `k_rope` is shared by all heads).
+//! Follows: docs/MODEL.md §4.5 (NoPE MLA: no rotary; `k_rope` is shared by all heads).
 
 use crate::isa::{Isa, active};
 use crate::ops::softmax_body;

@@ -3,7 +3,7 @@
 //! Owns: the logits, softmax and weighted sum over `n` source vectors for one token.
 //! Must not: fold the weights (the caller passes `query = f32(norm_w) * f32(proj_w)`, computed
 //! once at load) or round the mix to bf16.
-//! Follows: HF `_apply_attn_res` (k3-architecture.md §4.3).
+//! Follows: HF `_apply_attn_res` (docs/MODEL.md §4.3).
 
 use crate::isa::active;
 use crate::ops::softmax_body;

@@ -2,10 +2,10 @@
 //!
 //! Owns: one token of KDA on an f32 state `[n_heads, head_dim_k, head_dim_v]` (row `k` of a
 //! head's state belongs to key channel `k`). The same token-by-token recurrence serves
-//! prefill and decode (NUMERICS.md).
+//! prefill and decode (docs/NUMERICS.md).
 //! Must not: know projections or norms (the forward pass owns those), allocate, or split one
 //! head's state across threads.
-//! Follows: FLA `naive_recurrent_kda` / `fused_recurrent_kda` (k3-architecture.md §4.4).
+//! Follows: FLA `naive_recurrent_kda` / `fused_recurrent_kda` (docs/MODEL.md §4.4).
 
 use crate::isa::{Isa, active};
 use crate::math::{exp, sigmoid, silu, softplus};

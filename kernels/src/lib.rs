@@ -8,7 +8,7 @@
 //! know about model files or tensor names, allocate in hot paths, or call platform libm
 //! transcendental functions.
 //!
-//! Follows: `shared/spec/NUMERICS.md`. Every reduction has one canonical order, written in the
+//! Follows: `docs/NUMERICS.md`. Every reduction has one canonical order, written in the
 //! kernel's doc comment; the scalar code is the reference and every SIMD path (AVX2+FMA,
 //! AVX-512F, NEON) reproduces it bit for bit. Multiply-accumulate is always a fused
 //! multiply-add (FMA, correctly rounded: `f32::mul_add` in scalar code); the polynomial

@@ -2,7 +2,7 @@
 //!
 //! Owns: RMSNorm (with and without weight), softmax, SiTU / soft-clip / SiTU-GLU, SiLU-GLU,
 //! per-head L2 norm, residual adds, sigmoid gating, argmax.
-//! Must not: round to bf16 (activations stay f32, NUMERICS.md §2) or use threads: these are
+//! Must not: round to bf16 (activations stay f32, docs/NUMERICS.md §2) or use threads: these are
 //! O(n) per token and run on the calling thread.
 //!
 //! Each public kernel has a `_with(isa, ..)` twin; all paths run the same body compiled per

@@ -12,7 +12,7 @@
 //! threads (tens of microseconds on a VM) and rayon has no setting for how long to spin. This
 //! pool lets the caller take tasks and keeps the workers spinning for [`Pool::set_spin`]:
 //! resident decode on k3-mini 0.132 vs 0.144 s/token (median of 5 alternating runs each),
-//! context switches per run ~25,000 -> ~200 (docs/PERFORMANCE.md, "Fourth session"). The one
+//! context switches per run ~25,000 -> ~200 (docs/history/PERFORMANCE-LOG.md §5.4). The one
 //! crate built for this (micropool 0.3: caller participates, configurable spin) aborts the
 //! process on a task panic; this pool re-raises it on the caller.
 
@@ -371,7 +371,7 @@ impl<T> SendPtr<T> {
 /// Fewest weight bytes a task of a row-parallel matvec streams, unless that would leave a
 /// thread without a task. A task's rows are one contiguous stretch of memory; shorter stretches
 /// lose DRAM bandwidth to each stream's ramp-up (hardware prefetchers start over at every
-/// jump). Measured on k3-mini, resident decode (docs/PERFORMANCE.md, fifth session): 64 KB tasks
+/// jump). Measured on k3-mini, resident decode (docs/history/PERFORMANCE-LOG.md §2.5): 64 KB tasks
 /// 0.129 s/token, 256 KB 0.119, 1 MB 0.111, 4 MB 0.112.
 pub const MIN_TASK_BYTES: usize = 1 << 20;
 

@@ -3,8 +3,8 @@
 //! Owns: turning router logits into `top_k` expert ids (ascending) and their weights.
 //! Must not: allocate (selection is k passes over the logits), or let the correction bias
 //! leak into the weights (it is used for selection only).
-//! Follows: HF `KimiMoEGate` (k3-architecture.md §4.6); ties, unspecified upstream
-//! (`torch.topk(sorted=False)`), break to the lower id (NUMERICS.md).
+//! Follows: HF `KimiMoEGate` (docs/MODEL.md §4.6); ties, unspecified upstream
+//! (`torch.topk(sorted=False)`), break to the lower id (docs/NUMERICS.md).
 
 use crate::isa::active;
 use crate::math::{exp, sigmoid};

@@ -8,7 +8,7 @@
 //! the manifest + `load`), or default a key the engine needs.
 //!
 //! Layout followed (the released `moonshotai/Kimi-K3` config.json, see
-//! `../shared/research/k3-architecture.md` §2): top level `architectures`
+//! `docs/MODEL.md` §2): top level `architectures`
 //! `["KimiK3ForConditionalGeneration"]`, `model_type` `kimi_k3`, token ids,
 //! `tie_word_embeddings`, `text_config` (the LM, `model_type` `kimi_linear`) holding
 //! `linear_attn_config` and `quantization_config`, and `vision_config` (ignored). In the raw

@@ -6,7 +6,7 @@
 //! `ModelSpec::tensors`, never recompute them. Must not: read files or decide block kinds
 //! (that is `load`, from the manifest and config.json).
 //!
-//! Follows upstream (`../shared/research/k3-architecture.md` §3): PyTorch `[out, in]` linear
+//! Follows upstream (`docs/MODEL.md` §3): PyTorch `[out, in]` linear
 //! weights; KDA q/k/v `[H*K, d]`, depthwise conv `[H*K, 1, conv]`, `f_a` `[rank, d]`, `f_b`
 //! `[H*K, rank]`, `dt_bias` `[H*K]`, `A_log` `[a_log_len]`, `b_proj` `[H, d]`, `o_norm` `[K]`;
 //! MLA `q_b` `[H*(nope+rope), q_lora]`, `kv_a_proj_with_mqa` `[kv_lora+rope, d]`, `kv_b`

@@ -5,7 +5,7 @@
 //! the tensor inventory). Must not: read files (see `manifest` and `hf_config`), know about
 //! memory budgets or I/O. Follows upstream: field meanings mirror the HF `config.json`
 //! (`text_config`, `linear_attn_config`) of Kimi K3; see
-//! `../shared/research/k3-architecture.md` §2-§4.
+//! `docs/MODEL.md` §2-§4.
 //!
 //! A `ModelSpec` is only built by validation (`manifest` + `hf_config`), never by hand in
 //! production code, so every field here has been checked against both sources.
@@ -84,7 +84,7 @@ pub struct MlaSpec {
     pub d_rope: usize,
     pub d_v: usize,
     pub output_gate: bool,
-    /// eps of `q_a_layernorm` / `kv_a_layernorm` (NUMERICS.md §3: 1e-6).
+    /// eps of `q_a_layernorm` / `kv_a_layernorm` (docs/NUMERICS.md §3: 1e-6).
     pub latent_norm_eps: f32,
 }
 

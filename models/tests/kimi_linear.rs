@@ -1,7 +1,7 @@
 //! The same schema describes Kimi-Linear-48B (executed on a synthetic fixture by
 //! `runner/tests/kimi_linear.rs`):
 //! flat config layout, softplus KDA gate, low-rank output gate, direct q_proj, SiLU, BF16
-//! experts, plain residuals. Config from k3-architecture.md §1-§3 [KL] columns.
+//! experts, plain residuals. Config from docs/MODEL.md §1-§3 [KL] columns.
 
 mod common;
 

@@ -1,6 +1,6 @@
 //! The released Kimi K3 config.json (tests/data/kimi-k3-config.json, the published key set
-//! and values of k3-architecture.md §2) against configs/models/kimi-k3.toml: layer map,
-//! tensor counts and totals of the released checkpoint (k3-architecture.md §0, §3, §7.9).
+//! and values of docs/MODEL.md §2) against configs/models/kimi-k3.toml: layer map,
+//! tensor counts and totals of the released checkpoint (docs/MODEL.md §0, §3, §7.9).
 
 mod common;
 
@@ -126,7 +126,7 @@ fn shapes_match_the_released_headers() {
     };
     use DType::*;
     use TensorRole::*;
-    // Values from k3-architecture.md §3 tables (the released headers).
+    // Values from docs/MODEL.md §3 tables (the released headers).
     assert_eq!(shape(Embed, None, None).1, vec![163_840, 7168]);
     assert_eq!(shape(LmHead, None, None).2, "language_model.lm_head.weight");
     assert_eq!(shape(OutputResProj, None, None).1, vec![1, 7168]);

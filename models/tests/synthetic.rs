@@ -1,5 +1,5 @@
 //! Small K3-family checkpoints load with the same kimi-k3.toml, and the inventory equals the
-//! tensors the independent oracle writer (shared/oracle/synth_k3.py) put in the safetensors
+//! tensors the independent oracle writer (fixtures/oracle/synth_k3.py) put in the safetensors
 //! headers. Committed data: tests/data/synth-{A,C}/config.json (written by synth_k3.py) and
 //! tensors.tsv (name, dtype, shape of every tensor in that run's headers). Regenerate with
 //! `python synth_k3.py --preset A --out DIR` and the header dump described in the tsv header.

@@ -1,4 +1,4 @@
-//! `k3-run budget MODEL_DIR`: how much of a checkpoint must stay in memory (SYSTEM.md §8).
+//! `k3-run budget MODEL_DIR`: how much of a checkpoint must stay in memory (docs/DESIGN.md §8).
 //!
 //! Owns: classifying every tensor of a checkpoint as routed expert / shared expert / attention
 //! / embedding / other, from its **manifest role** (the spec's tensor inventory knows which

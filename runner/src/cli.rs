@@ -1,7 +1,7 @@
 //! Command-line interface of `k3-run`: flags, subcommands, exit codes, the printed report.
 //!
 //! Owns: argument parsing (clap), wiring flags to the library, what is printed, exit codes
-//! (SYSTEM.md §6): 0 success; 1 tensor binding or forward failure; 2 usage error or a config
+//! (docs/DESIGN.md §6): 0 success; 1 tensor binding or forward failure; 2 usage error or a config
 //! that cannot be read with confidence; 3 run finished but `--out` could not be written; 4 run
 //! finished but a routed expert failed to load; 5 stopped early by Ctrl-C.
 //! Must not: contain model math or storage logic.
@@ -43,7 +43,7 @@ pub fn load_spec_files(
         .map_err(|e| Failure::usage(e.to_string()))
 }
 
-/// Exit codes (SYSTEM.md §6).
+/// Exit codes (docs/DESIGN.md §6).
 pub mod exit {
     pub const OK: u8 = 0;
     pub const FORWARD: u8 = 1;
@@ -164,7 +164,7 @@ pub struct SimCli {
     pub expert_bytes: Option<u64>,
 }
 
-/// Memory and I/O flags (SYSTEM.md §5). For the two budgets, the later of `--preset` and the
+/// Memory and I/O flags (docs/DESIGN.md §5). For the two budgets, the later of `--preset` and the
 /// explicit flag on the command line wins.
 #[derive(Args, Debug, Default, Clone)]
 pub struct MemArgs {
@@ -690,7 +690,7 @@ fn check_plan_config(path: &Path) -> Result<(), Failure> {
 }
 
 /// `--config FILE.toml` is a run config (manifest + preset + I/O policy); `--config FILE.json`
-/// (or any other name) is the model's config.json (SYSTEM.md §6). A file given under the
+/// (or any other name) is the model's config.json (docs/DESIGN.md §6). A file given under the
 /// other kind's name (a run config not named .toml, a manifest or a config.json named .toml) is
 /// refused saying what the flag expects and which flag the file belongs to.
 pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Failure> {

@@ -12,7 +12,7 @@
 //! Must not: touch any model file, keep the test file, or measure through the page cache
 //! (buffered reads of a file just written measure RAM, not the disk: the disk part refuses
 //! when `O_DIRECT` is refused, and refuses tmpfs/ramfs).
-//! Follows upstream: SYSTEM.md §8 and the Korean seed's `scripts/k3-doctor.sh` (preset from
+//! Follows upstream: docs/DESIGN.md §8 and the Korean seed's `scripts/k3-doctor.sh` (preset from
 //! `MemAvailable`: >= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10 laptop, else the
 //! machine cannot run the model; disk measured "the way the engine reads it", like
 //! `tools/devbw.py`; the exact next command; non-zero exit when the model cannot run).
@@ -44,7 +44,7 @@ pub const EXIT_CANNOT_RUN: u8 = 1;
 /// Minimum `rustc` to build the workspace (root Cargo.toml `rust-version`).
 pub const MIN_RUSTC: (u32, u32) = (1, 95);
 
-/// Preset thresholds on available memory, in GB (SYSTEM.md §8), largest first.
+/// Preset thresholds on available memory, in GB (docs/DESIGN.md §8), largest first.
 pub const PRESET_THRESHOLDS_GB: [(f64, &str); 4] = [
     (192.0, "server"),
     (96.0, "workstation"),

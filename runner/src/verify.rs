@@ -1,5 +1,5 @@
 //! `k3-run verify MODEL_DIR`: is a downloaded checkpoint byte-exact, and if not, which shards
-//! must be fetched again (SYSTEM.md §8)?
+//! must be fetched again (docs/DESIGN.md §8)?
 //!
 //! Owns: the download check. Every shard the index (`model.safetensors.index.json`, or a single
 //! `model.safetensors`) names must exist as a regular file (a symlink to one, as in the HF
@@ -34,7 +34,7 @@ use crate::checkpoint::{self, CheckpointError, INDEX_FILE, SINGLE_FILE};
 use crate::cli::{Failure, exit};
 use crate::digest::{self, Digest};
 
-/// Exit code of a check that found a mismatch (SYSTEM.md §6 code 1: the files are not the
+/// Exit code of a check that found a mismatch (docs/DESIGN.md §6 code 1: the files are not the
 /// model's).
 pub const MISMATCH: u8 = 1;
 

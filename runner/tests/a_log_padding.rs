@@ -1,5 +1,5 @@
 //! `A_log` holds one entry per KDA head; the rest of the stored vector is storage-only zero
-//! padding (k3-architecture.md §3.3, NUMERICS.md §3). The released K3 pads 96 heads to 128 and
+//! padding (docs/MODEL.md §3.3, docs/NUMERICS.md §3). The released K3 pads 96 heads to 128 and
 //! the manifest's rule reproduces that; a checkpoint padded to another length is the same model
 //! and must give the same tokens and logit bits. A short `A_log` (fewer entries than heads) and
 //! non-zero padding stay errors that name the tensor.

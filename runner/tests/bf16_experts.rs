@@ -3,8 +3,8 @@
 //!
 //! The proof needs no new reference: every MXFP4 weight (an E2M1 value times a power of two)
 //! is exactly a bf16, and the bf16 and MXFP4 matvecs accumulate in the same canonical order
-//! (NUMERICS.md §1). So fixture A with its experts decoded to BF16 (by the decoder below,
-//! written from k3-architecture.md's MXFP4 section, not the engine's) and described by a
+//! (docs/NUMERICS.md §1). So fixture A with its experts decoded to BF16 (by the decoder below,
+//! written from docs/MODEL.md's MXFP4 section, not the engine's) and described by a
 //! manifest that differs from the built-in one only in the expert format must give fixture
 //! A's ids and step-0 logit bits, which the conformance tests hold to the numpy reference.
 //! A wrong nibble order, scale or role mapping changes the bits.

@@ -1,4 +1,4 @@
-//! The `k3-run` binary end to end (SYSTEM.md §6 exit codes): help and version without a model,
+//! The `k3-run` binary end to end (docs/DESIGN.md §6 exit codes): help and version without a model,
 //! usage errors (exit 2) with a message, a config.json missing a needed key (exit 2 naming the
 //! key and the file), a real run on fixture A whose `--out` JSON and `--dump-logits` bytes match
 //! the independent reference, the `plan` subcommand, the `K3_ISA` override, and an unwritable

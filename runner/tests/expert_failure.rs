@@ -1,6 +1,6 @@
 //! A routed expert that cannot be loaded (here: its E8M0 scales made NaN on disk) is never
 //! zeroed: the run stops after the ids it could compute, still prints its report and writes
-//! `--out` (`stopped_by` says why, `experts.load_failures` counts), and exits 4 (SYSTEM.md §6).
+//! `--out` (`stopped_by` says why, `experts.load_failures` counts), and exits 4 (docs/DESIGN.md §6).
 //! Each expert of one MoE layer of a tiny synthetic checkpoint is damaged in turn: an expert
 //! the request never routes to changes nothing; one routed in the prompt stops before the
 //! first id; one first routed while decoding stops after a prefix of the clean run's ids.

@@ -1,4 +1,4 @@
-//! A second model family by manifest alone (SYSTEM.md §10): the `k3-run` binary with
+//! A second model family by manifest alone (docs/DESIGN.md §10): the `k3-run` binary with
 //! `--manifest configs/models/kimi-linear-48b.toml` runs fixtures/models/KL, a Kimi-Linear-style
 //! checkpoint (plain residuals, SiLU-GLU, softplus KDA gate, low-rank KDA output gate, A_log
 //! `[1, 1, H, 1]`, MLA with a direct q_proj and no output gate, BF16 experts at the hidden

@@ -1,4 +1,4 @@
-//! `--dump-layer-logits FILE` (SYSTEM.md §9, per-layer conformance): the first step's
+//! `--dump-layer-logits FILE` (docs/DESIGN.md §9, per-layer conformance): the first step's
 //! early-exit logits, f32 little-endian `[layers, vocab]`, row L-1 = what `--layers L` gives.
 //! On fixture A (13 layers, vocab 256, the fixture's prompt):
 //! - every row is within the stated tolerance of the independent numpy reference's

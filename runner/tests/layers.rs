@@ -1,4 +1,4 @@
-//! `--layers N` (SYSTEM.md, diagnostics): bind only the first N layers, for partial shard
+//! `--layers N` (docs/DESIGN.md, diagnostics): bind only the first N layers, for partial shard
 //! sets. On fixture A (13 layers; shards 2 and 3 hold only layers 5..13):
 //! - a copy without those shards runs with `--layers 5` and gives the ids and first-step
 //!   logit bits of `--layers 5` on the complete checkpoint, resident and from a packed trunk

@@ -1,4 +1,4 @@
-//! `k3-run verify` and `k3-run budget` (SYSTEM.md §8), black box:
+//! `k3-run verify` and `k3-run budget` (docs/DESIGN.md §8), black box:
 //! - verify passes on fixture A, on a `k3-run synth` checkpoint and on fixture A as one
 //!   `model.safetensors` without an index (that file truncated or extended is named); on
 //!   copies of fixture A

@@ -1,4 +1,4 @@
-//! Batched prefill and decode (`Executor::prefill_batch`, `step_batch`, SYSTEM.md §10):
+//! Batched prefill and decode (`Executor::prefill_batch`, `step_batch`, docs/DESIGN.md §10):
 //! several sequences share each layer's weights in one call. Every sequence's logits are
 //! bit-identical to feeding it alone, after its prompt (prefilled together in two rounds of
 //! uneven lengths) and at every step, resident and with a streamed trunk; and the streamed

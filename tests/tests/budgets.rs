@@ -1,4 +1,4 @@
-//! Proof of identical output at every memory setting (NUMERICS.md §1, issue 4): the same
+//! Proof of identical output at every memory setting (docs/NUMERICS.md §1, issue 4): the same
 //! request resident, with a packed trunk at several budgets (0 pinned, some pinned, all
 //! pinned), 1 and 2+ ring slots, expert-cache sizes from zero to everything, ultra-low-memory,
 //! the pinned prefix in the page cache and the plain-mmap I/O policy gives identical generated ids and identical first-step logit

@@ -1,4 +1,4 @@
-//! Bit-exact with itself (NUMERICS.md §1) on the committed fixtures A and B: the same token ids
+//! Bit-exact with itself (docs/NUMERICS.md §1) on the committed fixtures A and B: the same token ids
 //! and the same logit BITS for every available instruction-set path x thread count {1, 2, 4},
 //! and full recompute == incremental decode at every step.
 //!

@@ -1,6 +1,6 @@
 //! The resident arena (checkpoint tensors loaded into 2 MiB-page anonymous memory) against the
 //! checkpoint's memory maps: the same bytes at the same alignment, and identical generated ids
-//! and logit bits at every step (NUMERICS.md §1: where the bytes live never changes a bit).
+//! and logit bits at every step (docs/NUMERICS.md §1: where the bytes live never changes a bit).
 //! Models are synthetic, written under target/ (not tmpfs, where O_DIRECT alignment bugs hide).
 
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! One insta snapshot per run config in `configs/*.toml` locks the generated ids and a hash of
 //! the first-step logit bits; every config (all presets, both I/O policies, resident) must
 //! match the SAME expected snapshot, which is the proof that budgets do not change output
-//! (NUMERICS.md §1).
+//! (docs/NUMERICS.md §1).
 //!
 //! The presets' budgets are sized for real K3 (108.81 GB trunk, 1447 GB routed experts); on the
 //! small synthetic model they are scaled by the same proportion, so "laptop" pins about the

@@ -203,7 +203,7 @@ fn hostile_inputs_do_not_panic() {
 fn real_k3_layout_ids_come_from_the_files() {
     // A synthetic vocabulary with K3's 163,584 ranks and the fixture config shifted to K3's
     // first special id: the ids must land where the released checkpoint has them
-    // (k3-architecture.md 6.4), derived only from the files.
+    // (docs/MODEL.md 6.4), derived only from the files.
     let dir = tempfile::tempdir().expect("tempdir");
     let mut model = String::new();
     let b64 = |b: &[u8]| {

@@ -1,4 +1,4 @@
-//! MXFP4 AVX-512 decode variants side by side (docs/PERFORMANCE.md, "Sixth session").
+//! MXFP4 AVX-512 decode variants side by side (docs/history/PERFORMANCE-LOG.md §2.6).
 //! Every variant is first checked bit-exact against k3-kernels' scalar reference (the canonical dot),
 //! then timed: medians of REPS alternating calls, 1 thread.
 //!

@@ -1,7 +1,7 @@
 //! Continuous batching for the HTTP server (`--serve-batch N`): up to N requests decode
 //! together, each step ONE layer-major pass ([`Executor::prefill_batch`]) that fetches every
 //! layer once for all of them, so on a streamed trunk N replies cost about one trunk read per
-//! step instead of N (SYSTEM.md §10, "several sequences share each streamed layer read").
+//! step instead of N (docs/DESIGN.md §10, "several sequences share each streamed layer read").
 //!
 //! Owns: the slots (one [`SeqState`] each, allocated up front, so the start-up state check
 //! covers them), admission (a free slot whose fed ids the new prompt extends is reused with

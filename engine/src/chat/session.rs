@@ -7,7 +7,7 @@
 //! Must not: print, read input, touch the history file (the REPL does, and commits a turn to
 //! the session only after the file append succeeded), or do model math.
 //!
-//! Rules (SYSTEM.md §7, issue 5):
+//! Rules (docs/DESIGN.md §7, issue 5):
 //! - The prompt of a turn is the whole transcript plus the new user message plus the
 //!   generation prompt, rendered by k3-text (XTML, released revision c5d1dd4).
 //! - With `incremental` the live state is reused when the new prompt ids start exactly with

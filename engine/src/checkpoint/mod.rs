@@ -11,7 +11,7 @@
 //!
 //! Follows upstream: the HF sharded-checkpoint convention (`weight_map` name -> shard file),
 //! safetensors 0.8 headers (see [`header`]), K3 names under `language_model.` (see
-//! `../shared/research/k3-architecture.md` §3) and NUMERICS.md §3 (A_log padding, E8M0 0xFF).
+//! `docs/MODEL.md` §3) and docs/NUMERICS.md §3 (A_log padding, E8M0 0xFF).
 //!
 //! Namespace rule: every tensor must be declared by the spec unless its name starts with one of
 //! the spec's `ignored_tensor_prefixes` (for K3 the manifest lists `vision_tower.` and

@@ -5,14 +5,14 @@
 //! recurrent state, MLA KV cache) and the scratch buffers, all sized from the [`Plan`].
 //! Must not: know where weight bytes come from (see [`crate::weights`]) or do I/O itself.
 //!
-//! Follows upstream: `../shared/research/k3-architecture.md` §4 (HF `modeling_kimi_linear.py`
-//! semantics) with the seed engine's precision model (NUMERICS.md §2): every activation stays
+//! Follows upstream: `docs/MODEL.md` §4 (HF `modeling_kimi_linear.py`
+//! semantics) with the seed engine's precision model (docs/NUMERICS.md §2): every activation stays
 //! f32, weights are widened exactly from bf16 / MXFP4. Every position goes through the same
 //! kernel calls on the same inputs whether fed token by token ([`Executor::step`]) or
 //! layer-major in a chunk ([`Executor::prefill`]: each layer applied to every token of the
 //! chunk before the next layer, each projection one token-major matvec for all of them whose
 //! rows have the one-token bits, see `exec/rows.rs`), so prefill, full recompute and
-//! incremental decode give the same bits (NUMERICS.md §1).
+//! incremental decode give the same bits (docs/NUMERICS.md §1).
 //!
 //! Tap names (rule of thumb 3) used in comments and dumps: `blk.{l}.attn_in`, `blk.{l}.attn_out`,
 //! `blk.{l}.mlp_in`, `blk.{l}.mlp_out`, `out.hidden`, `out.logits`.

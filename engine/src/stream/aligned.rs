@@ -6,7 +6,7 @@
 //! pool when the caller asks for [`PageSource::ReservedFirst`] and the pool has room — and
 //! unmapping them on drop.
 //! Must not: read files or know what the bytes mean.
-//! Follows upstream: SYSTEM.md §3 ("buffers are 2 MB huge-page backed: O_DIRECT pins every
+//! Follows upstream: docs/DESIGN.md §3 ("buffers are 2 MB huge-page backed: O_DIRECT pins every
 //! target page; 4 KB pages cost ~54 million pin operations per token on real K3") and
 //! rust-deps.md Q4 (anonymous mapping + madvise by default: MAP_HUGETLB needs reserved huge
 //! pages, `vm.nr_hugepages`, which is 0 unless an administrator sets it).
@@ -17,7 +17,7 @@
 //! development VMs, below the disk's O_DIRECT rate, so a fresh pinned prefix loads at the rate
 //! the host backs memory, not the disk's. Pages in the `vm.nr_hugepages` pool are never on the
 //! guest's free lists, so they stay backed between runs (5.4-7.5 GB/s to touch after 15-30 s
-//! idle; docs/PERFORMANCE.md, sixteenth session). getrusage does not count them in the RSS and
+//! idle; docs/history/PERFORMANCE-LOG.md §8.6). getrusage does not count them in the RSS and
 //! the memory cgroup does not charge them: callers report them apart.
 
 use std::io;
@@ -267,7 +267,7 @@ impl AlignedBuf {
     /// starts at a multiple of 4096 (`capacity()` = `len` rounded up to 4096) and they never
     /// overlap. For many small buffers (routed experts, ~0.4 MB each on k3-mini) that must
     /// read fast: on this machine's virtio disk a 408 KiB O_DIRECT read into 4 KiB pages ran at
-    /// ~1.1 GB/s and into 2 MiB pages at ~2.2-3.0 GB/s (docs/PERFORMANCE.md). The mapping is
+    /// ~1.1 GB/s and into 2 MiB pages at ~2.2-3.0 GB/s (docs/history/PERFORMANCE-LOG.md §4.3). The mapping is
     /// unmapped when the last of them is dropped.
     pub fn carve(count: usize, len: usize) -> io::Result<Vec<AlignedBuf>> {
         if count == 0 {

@@ -6,7 +6,7 @@
 //! Why not rayon or the kernels' spinning `Pool`: an idle rayon worker spins with
 //! `sched_yield` before it sleeps, and eight such workers woken for every expert batch took
 //! CPU from the two compute threads on a 2-core machine (perf: `do_sched_yield` + `__sched_yield` ~5% of
-//! all samples, in the reader threads; docs/PERFORMANCE.md, "Third session"). Reads block in
+//! all samples, in the reader threads; docs/history/PERFORMANCE-LOG.md §5.3). Reads block in
 //! the kernel; nothing here needs work stealing.
 //! Must not: return from `run` before every task of the batch has finished (the tasks borrow
 //! the caller's buffers), or let a panicking task take a thread down (it is caught; the

@@ -30,7 +30,7 @@
 //! trunk quantization, which this is not). Splitting float weights into byte planes and
 //! entropy-coding the exponent bytes is the usual trick; a 16-entry code instead of Huffman
 //! trades ~8% of the size for a decode that costs almost nothing on two cores (zstd's Huffman
-//! on the same bytes: docs/PERFORMANCE.md, "Eleventh session").
+//! on the same bytes: docs/history/PERFORMANCE-LOG.md §6.1).
 
 use super::StreamError;
 use super::aligned::{IO_ALIGN, align_up};
@@ -42,7 +42,7 @@ use k3_kernels::isa::Isa;
 pub const CODEC: &str = "bf16-nibble-inplace";
 /// Raw bytes per chunk (the last chunk of a layer may be shorter). 512 KiB: on k3-mini,
 /// 1.11-1.19x faster streaming decode and a 1.09x faster pinned load than 2 MiB records
-/// (docs/PERFORMANCE.md, "Twelfth session"): more records in flight per layer, a shorter tail
+/// (docs/history/PERFORMANCE-LOG.md §6.2): more records in flight per layer, a shorter tail
 /// at the end of each layer, each decode in cache.
 pub const CHUNK_BYTES: u64 = 512 << 10;
 /// The escape code: the high byte is in the record's exception list.

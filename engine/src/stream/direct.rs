@@ -8,7 +8,7 @@
 //! reason is kept for the start-up report. Also owns [`ReadPool`], a fixed set of threads that
 //! runs a batch of positional reads at queue depth N.
 //! Must not: decide what to read (the trunk and the expert store do), or cache anything.
-//! Follows upstream: SYSTEM.md §3 (reads use O_DIRECT) and §4 (a layer's misses issued
+//! Follows upstream: docs/DESIGN.md §3 (reads use O_DIRECT) and §4 (a layer's misses issued
 //! together, in parallel); rust-deps.md Q4 (alignment, statx, the tmpfs pitfall: tests put
 //! their files on disk) and Q9 (a pread thread pool is the portable path).
 

@@ -14,7 +14,7 @@
 //! never as resident hits, and are counted apart (prefetched / prefetch hits / wasted).
 //! Must not: decode or zero anything: a failed read is returned as `WeightError::Expert` (the
 //! run finishes and exits 4), never replaced by zeros.
-//! Follows upstream: SYSTEM.md §4 and the seeds (expert LRU cache, true resident hit rate
+//! Follows upstream: docs/DESIGN.md §4 and the seeds (expert LRU cache, true resident hit rate
 //! reported apart from raw hits).
 
 use std::collections::{HashMap, HashSet};
@@ -896,7 +896,7 @@ impl<'c> ExpertCache<'c> {
     /// One expert buffer: from the spare list, else from a newly carved huge-page region.
     /// Buffers are carved in batches (the cache's slots plus one layer's scratch, at most
     /// 64 MiB per region) because a read into 4 KiB pages runs at under half the speed of
-    /// one into 2 MiB pages on a virtio disk (docs/PERFORMANCE.md, "Expert buffers").
+    /// one into 2 MiB pages on a virtio disk (docs/history/PERFORMANCE-LOG.md §4.3).
     fn take_buf(&mut self, at_least: usize) -> std::io::Result<AlignedBuf> {
         if let Some(b) = self.spare.pop() {
             return Ok(b);

@@ -8,7 +8,7 @@
 //! for bit those of the resident path whatever the chunk size (a test checks it). The small
 //! global tensors (final norm, output AttnRes) are copied once at start.
 //! Must not: keep the embedding or lm_head resident, or compute anything but the matvec.
-//! Follows upstream: SYSTEM.md §5 (`--ultra-low-memory` streams exact embedding rows and
+//! Follows upstream: docs/DESIGN.md §5 (`--ultra-low-memory` streams exact embedding rows and
 //! lm_head chunks) and the Korean seed (ultra preset).
 
 use std::time::Instant;

@@ -4,7 +4,7 @@
 //! `page-cache` (direct with the pinned prefix in trunk.bin's page cache) and `mmap`
 //! (page-cache comparison for the benchmark) policies.
 //! Must not: open files (the trunk and expert store do).
-//! Follows upstream: SYSTEM.md §3 (O_DIRECT, 2 MB pages) and issue 4 ("the same model through
+//! Follows upstream: docs/DESIGN.md §3 (O_DIRECT, 2 MB pages) and issue 4 ("the same model through
 //! a plain mmap + page-cache path ... to show what the pinned prefix + O_DIRECT design buys").
 
 use std::path::Path;

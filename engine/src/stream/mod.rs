@@ -6,8 +6,8 @@
 //! ([`experts`]) and the ultra-low-memory global tensors ([`global`]).
 //! Must not: compute anything the output depends on (kernels do), or change a byte: every
 //! provider hands the executor the checkpoint's own bytes, so output bits cannot depend on
-//! the budget (NUMERICS.md §1).
-//! Follows upstream: SYSTEM.md §2-§5 and the two seed documents (pinned prefix + ring slots,
+//! the budget (docs/NUMERICS.md §1).
+//! Follows upstream: docs/DESIGN.md §2-§5 and the two seed documents (pinned prefix + ring slots,
 //! O_DIRECT, 2 MB pages, the one-slot fallback, the true resident hit rate).
 
 pub mod aligned;

@@ -9,7 +9,7 @@
 //! Must not: reorder or convert bytes (the trunk is the checkpoint's own bytes), or include
 //! global tensors (embedding, lm_head, final norm, output AttnRes): their checkpoint locations
 //! are recorded in `trunk.json` for reference only.
-//! Follows upstream: SYSTEM.md §2 and the Chinese seed article §2 (one range copy per layer,
+//! Follows upstream: docs/DESIGN.md §2 and the Chinese seed article §2 (one range copy per layer,
 //! 4096-byte aligned so one O_DIRECT pread reads a whole layer; a hole would drag expert bytes
 //! in: 400 GB instead of 109).
 

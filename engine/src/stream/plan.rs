@@ -8,7 +8,7 @@
 //! with the proc/sys root injectable for tests).
 //! Must not: allocate, read anything but /proc and the cgroup files (the trunk reads the
 //! weights), or know what a layer contains.
-//! Follows upstream: SYSTEM.md §3 and the Chinese seed article §3.2-§3.4: pinned layers at
+//! Follows upstream: docs/DESIGN.md §3 and the Chinese seed article §3.2-§3.4: pinned layers at
 //! their exact size, ring slots all of the largest unpinned layer, a second slot only when it
 //! fits (the one-slot fallback), and §5 (KV memory computed before the run).
 //!
@@ -655,7 +655,7 @@ mod tests {
 
     #[test]
     fn real_k3_laptop_budget_gets_a_shared_ring() {
-        // SYSTEM.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
+        // docs/DESIGN.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
         // layers ~1.157 GB each. The laptop preset's 3.00 GB cannot pin layer 0 next to a slot
         // or hold two 2.34 GB slots: one slot of layer 0's size. As a shared ring it holds any
         // two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0) are read

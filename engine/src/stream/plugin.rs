@@ -10,7 +10,7 @@
 //! Must not: call a plugin from two threads at once (the cache calls it from its own thread),
 //! or unload a library (rust-deps.md Q5: dlclose is unreliable with TLS; never unloading is
 //! what Polars does).
-//! Follows upstream: SYSTEM.md §10 (expert-cache policies as plugins, judged by trace replay).
+//! Follows upstream: docs/DESIGN.md §10 (expert-cache policies as plugins, judged by trace replay).
 
 use std::ffi::CStr;
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! and the `--list-presets` table.
 //! Must not: decide precedence between `--preset` and `--trunk-gb`/`--cache-gb` (the CLI
 //! applies "the later flag wins"), or plan memory (see `plan`).
-//! Follows upstream: SYSTEM.md §5 (the table of presets with the seeds' numbers).
+//! Follows upstream: docs/DESIGN.md §5 (the table of presets with the seeds' numbers).
 
 use std::path::Path;
 

@@ -4,7 +4,7 @@
 //! replaying a trace under LRU and Belady's optimum (MIN: on a miss, evict the resident expert
 //! needed farthest in the future) at any capacity, as a table.
 //! Must not: influence a run (tracing only records what the cache was asked).
-//! Follows upstream: SYSTEM.md §4 ("a simulator replays a trace under LRU and Belady's optimum
+//! Follows upstream: docs/DESIGN.md §4 ("a simulator replays a trace under LRU and Belady's optimum
 //! at any capacity ... the policy, not the load, is the problem").
 //!
 //! `expert_trace.bin`: the 8 bytes `K3XTRACE`, u32 LE version (1), u32 LE record size (8), then

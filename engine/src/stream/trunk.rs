@@ -16,7 +16,7 @@
 //! Must not: change bytes (views are the packed bytes), or keep a view alive past the next
 //! `layer()` call (the trait's contract; buffers move between threads only by ownership
 //! transfer through channels, so the reader can never write a buffer the executor reads).
-//! Follows upstream: SYSTEM.md §3 and the Chinese seed article §3-§5 (pinned prefix, ring
+//! Follows upstream: docs/DESIGN.md §3 and the Chinese seed article §3-§5 (pinned prefix, ring
 //! slots, prefetch only with >= 2 slots, the start-up lines and the deterministic hit rate).
 
 use std::collections::VecDeque;
@@ -92,7 +92,7 @@ pub const READ_PIECE: usize = 4 << 20;
 /// Queue depth (reader threads) of the pinned-prefix load at start, the first-token cost:
 /// the goal is the disk's queue-depth-16 bandwidth. Measured on k3-mini (2.51 GB
 /// pinned, page cache dropped, alternating): 2462-2548 MB/s at 16 vs 1903-2315 MB/s with the
-/// trunk's 8 reader threads, against 2587 MB/s for the QD16 probe (docs/PERFORMANCE.md).
+/// trunk's 8 reader threads, against 2587 MB/s for the QD16 probe (docs/history/PERFORMANCE-LOG.md §5.4).
 pub const PINNED_LOAD_DEPTH: usize = 16;
 
 /// Piece size of a background pinned load (raw trunk). Smaller than [`READ_PIECE`]: the
@@ -100,14 +100,14 @@ pub const PINNED_LOAD_DEPTH: usize = 16;
 /// waits behind the load's reads in flight (depth x piece: 16 MiB here, not 64). k3-mini, all
 /// pinned, `--gen 1`, page cache dropped, 3-4 runs each: time to first token median 2.26 s
 /// with 1 MiB pieces vs 2.38 s with 4 MiB, 2.60-2.69 s loading in the session build
-/// (docs/PERFORMANCE.md, "Fourteenth session").
+/// (docs/history/PERFORMANCE-LOG.md §8.5).
 pub const PINNED_BACKGROUND_PIECE: usize = 1 << 20;
 
 /// Queue depth of a background pinned load into the page cache (in [`READ_PIECE`]s). Each
 /// fault of a mapping advised `MADV_HUGEPAGE` reads a 4 MiB window, and the load shares the
 /// disk with the prompt's expert reads. k3-mini, all pinned, `--gen 1`, page cache dropped and
 /// 12 s idle before each run, 5 rounds: time to first token median 2.58 s at depth 4, 3.05 s
-/// at 2, 3.40 s at 16, and 2.94 s for buffers (docs/PERFORMANCE.md, "Eighteenth session").
+/// at 2, 3.40 s at 16, and 2.94 s for buffers (docs/history/PERFORMANCE-LOG.md §8.7).
 pub const PAGE_CACHE_BACKGROUND_DEPTH: usize = 4;
 
 /// A loaded layer: the buffer and where the layer's first byte sits in it.
@@ -350,7 +350,7 @@ struct LoadWork {
     /// anonymous memory. Not those on the reserved huge-page pool: the host keeps those backed,
     /// so a reader's own fault only zeroes its page, and a helper faulting the same pages
     /// competes with the readers (pinned load on the pool with / without it, 8 alternating
-    /// runs twice: 1.76 / 1.65 s and 1.84 / 1.75 s; docs/PERFORMANCE.md, sixteenth session).
+    /// runs twice: 1.76 / 1.65 s and 1.84 / 1.75 s; docs/history/PERFORMANCE-LOG.md §8.6).
     populate: Vec<(usize, usize)>,
 }
 

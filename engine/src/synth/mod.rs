@@ -9,7 +9,7 @@
 //! bytes), depend on thread count or platform for its bytes (see [`rng`]), or overwrite an
 //! existing non-empty directory.
 //!
-//! Output directory (same names as the release, `k3-architecture.md` §0, §3, §6):
+//! Output directory (same names as the release, `docs/MODEL.md` §0, §3, §6):
 //! `config.json`, `generation_config.json`, `model-0000i-of-0000N.safetensors`,
 //! `model.safetensors.index.json` (`metadata.total_size` + `weight_map`), `tiktoken.model`,
 //! `tokenizer_config.json`, plus `synth_manifest.json` (provenance: seed, spec, layer map,

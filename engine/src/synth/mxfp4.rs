@@ -4,7 +4,7 @@
 //! nibble = even element) and `weight_scale` bytes (one E8M0 per 32 elements), and the exact
 //! inverse used by tests. Must not: be used to decode real checkpoints (the kernels own that).
 //!
-//! Follows `../shared/research/k3-architecture.md` §4.8/§5 and the oracle's `synth_k3.py`:
+//! Follows `docs/MODEL.md` §4.8/§5 and the oracle's `synth_k3.py`:
 //! per 32-element block, shared exponent `e = floor(log2(amax)) - 2` clipped to [-127, 127],
 //! scale byte `127 + e` (never 0xFF), elements `x / 2^e` rounded to the nearest E2M1 magnitude
 //! {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to the even code and clamped to 6; negative sign only

@@ -6,7 +6,7 @@
 //! describe the tensor graph (the models crate derives the tensors from the config.json this
 //! spec turns into).
 //!
-//! Defaults of `[conditioning]` are the oracle's (`../shared/oracle/synth_k3.py`, README
+//! Defaults of `[conditioning]` are the oracle's (`fixtures/oracle/synth_k3.py`, README
 //! "Conditioning"): out_gain 0.25 on every sublayer output projection, KDA q/k correlation 0.8,
 //! router bias std 2.0, router gain 2, AttnRes logit std 1.5, logit std 3, norm weights 1 +- 0.1.
 //! Everything else is fixed to the release's values by the models crate's

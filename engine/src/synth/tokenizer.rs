@@ -3,7 +3,7 @@
 //!
 //! Owns: choosing the BPE ranks and writing both files. Must not: tokenize (k3-text does).
 //!
-//! Layout (k3-architecture.md §6): `tiktoken.model` has one `<base64 token> <rank>` line per
+//! Layout (docs/MODEL.md §6): `tiktoken.model` has one `<base64 token> <rank>` line per
 //! rank. Ranks 0..255 are the 256 single bytes in byte order (rank b = byte b). Then merges:
 //! each merge token is the concatenation of two existing tokens, so BPE can reach it. They come
 //! first from prefixes of a fixed list of common English words (with and without a leading

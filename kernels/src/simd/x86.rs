@@ -311,7 +311,7 @@ pub(crate) mod avx512 {
     /// canonical order wants; x is permuted to the same lane map once per block, and the
     /// accumulator's lanes are put back in canonical order before the tree. On Zen 4 this is
     /// 25-45% faster than widening bytes with `vpmovzxbd` and looking up 8 lanes at a time
-    /// (docs/PERFORMANCE.md, "Sixth session").
+    /// (docs/history/PERFORMANCE-LOG.md §2.6).
     #[inline]
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     fn group_mxfp4<const R: usize>(

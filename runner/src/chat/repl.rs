@@ -37,7 +37,7 @@ use crate::exec::{Executor, Providers};
 
 /// `--gen` default in chat (a reasoning reply is long); also the maximum.
 pub const CHAT_DEFAULT_GEN: usize = 4096;
-/// Upper bound of `--gen` (SYSTEM.md §6).
+/// Upper bound of `--gen` (docs/DESIGN.md §6).
 pub const MAX_GEN: usize = 4096;
 
 const HELP: &str = "\
@@ -111,7 +111,7 @@ pub(crate) fn session_config(
 }
 
 /// Stops besides `<|end_of_msg|>` for `--chat` and `--serve`: the config's eos ids, the
-/// tokenizer-level `[EOS]` (real K3 emits 163585 as well as 163586, SYSTEM.md §6) and
+/// tokenizer-level `[EOS]` (real K3 emits 163585 as well as 163586, docs/DESIGN.md §6) and
 /// `--stop-id`.
 pub(crate) fn stop_ids(spec: &ModelSpec, tok: &Tokenizer, run: &RunArgs) -> Vec<u32> {
     let mut ids = spec.eos_token_ids.clone();

@@ -1,4 +1,4 @@
-//! `k3-run MODEL_DIR --serve ADDR`: an OpenAI-compatible HTTP endpoint (SYSTEM.md §10), so
+//! `k3-run MODEL_DIR --serve ADDR`: an OpenAI-compatible HTTP endpoint (docs/DESIGN.md §10), so
 //! existing clients can talk to the model.
 //!
 //! - `POST /v1/chat/completions`: `messages` (system / user / assistant records, the last one

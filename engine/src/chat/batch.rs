@@ -138,6 +138,46 @@ impl<'s, S> Batcher<'s, S> {
         prompt_ids(self.spec, &self.tok, &self.opts, messages, true)
     }
 
+    /// [`Self::render`] with a request's tools, tool choice and response format.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        tools: Option<k3_text::pyjson::PyJson>,
+        tool_choice: Option<k3_text::chat::ToolChoice>,
+        response_format: Option<k3_text::chat::ResponseFormat>,
+    ) -> Result<Vec<u32>, SessionError> {
+        let opts = RenderOptions {
+            tools,
+            tool_choice,
+            response_format,
+            ..self.opts.clone()
+        };
+        prompt_ids(self.spec, &self.tok, &opts, messages, true)
+    }
+
+    /// The tokenizer (for raw prompts).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tok
+    }
+
+    /// Ids the sampler may draw and a raw prompt may hold: those both the model and the
+    /// tokenizer know.
+    pub fn n_allowed(&self) -> usize {
+        self.n_allowed
+    }
+
+    /// End every running request whose sink says its client is gone (`gone`), as
+    /// interrupted: its slot is free for the next admission.
+    pub fn drop_gone(&mut self, gone: impl Fn(&S) -> bool) -> Vec<Finished<S>> {
+        let mut out = Vec::new();
+        for i in (0..self.n_active).rev() {
+            if self.slots[i].run.as_ref().is_some_and(|r| gone(&r.sink)) {
+                out.push(self.finish(i, Ok(Stop::Interrupted)));
+            }
+        }
+        out
+    }
+
     /// Slots in all.
     pub fn capacity(&self) -> usize {
         self.slots.len()
@@ -167,6 +207,27 @@ impl<'s, S> Batcher<'s, S> {
     /// the free slot holding the longest prefix of the prompt keeps its state and only the
     /// rest is fed; otherwise a fresh state. A prompt longer than the context is refused.
     pub fn admit(&mut self, job: Job<S>) -> Result<(), (S, SessionError)> {
+        self.admit_as(job, false)
+    }
+
+    /// [`Self::admit`] for a raw continuation of `job.prompt` (no chat grammar: see
+    /// [`TurnDecoder::raw`]); the prompt's ids must be below [`Self::n_allowed`].
+    pub fn admit_raw(&mut self, job: Job<S>) -> Result<(), (S, SessionError)> {
+        if let Some(&id) = job.prompt.iter().find(|&&id| id as usize >= self.n_allowed) {
+            let vocab = self.n_allowed;
+            return Err((
+                job.sink,
+                SessionError::TokenOutsideModel {
+                    id,
+                    what: "a prompt id".into(),
+                    vocab,
+                },
+            ));
+        }
+        self.admit_as(job, true)
+    }
+
+    fn admit_as(&mut self, job: Job<S>, raw: bool) -> Result<(), (S, SessionError)> {
         assert!(self.has_room(), "Batcher::admit: every slot is running");
         if job.prompt.len() > self.max_positions {
             return Err((
@@ -182,10 +243,13 @@ impl<'s, S> Batcher<'s, S> {
             sampling: job.sampling,
             ..self.cfg.clone()
         };
-        let dec = match TurnDecoder::new(&self.tok, &cfg, job.turn_index, self.n_allowed, self.eom)
-        {
-            Ok(d) => d,
-            Err(e) => return Err((job.sink, e)),
+        let dec = if raw {
+            TurnDecoder::raw(&cfg, job.turn_index, self.n_allowed, self.eom)
+        } else {
+            match TurnDecoder::new(&self.tok, &cfg, job.turn_index, self.n_allowed, self.eom) {
+                Ok(d) => d,
+                Err(e) => return Err((job.sink, e)),
+            }
         };
         let free = self.n_active..self.slots.len();
         // Reuse needs something left to feed: the logits come from feeding the prompt's tail.

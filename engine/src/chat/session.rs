@@ -204,7 +204,7 @@ pub fn prompt_ids(
 /// model is the caller's.
 #[derive(Debug)]
 pub struct TurnDecoder {
-    parser: ReplyParser,
+    parser: Parse,
     sampler: Sampler,
     n_allowed: usize,
     n_gen: usize,
@@ -214,7 +214,36 @@ pub struct TurnDecoder {
     pub generated: Vec<u32>,
 }
 
+/// How generated ids become text: the chat reply grammar (channels), or plain decoding for
+/// a raw completion (`POST /v1/completions`).
+#[derive(Debug)]
+enum Parse {
+    Chat(ReplyParser),
+    Raw {
+        decoder: k3_text::tokenizer::Decoder,
+        text: String,
+    },
+}
+
 impl TurnDecoder {
+    /// A raw continuation (no chat grammar): every generated id's text goes to the response
+    /// channel as it completes, control ids spelled out; it stops on `<|end_of_msg|>`, the
+    /// stop ids and the limit as a chat turn does. Sampling stream `turn_index` of the seed.
+    pub fn raw(cfg: &SessionConfig, turn_index: u64, n_allowed: usize, eom: u32) -> TurnDecoder {
+        TurnDecoder {
+            parser: Parse::Raw {
+                decoder: k3_text::tokenizer::Decoder::default(),
+                text: String::new(),
+            },
+            sampler: Sampler::for_turn(cfg.sampling, turn_index),
+            n_allowed,
+            n_gen: cfg.n_gen,
+            extra_stop_ids: cfg.extra_stop_ids.clone(),
+            eom,
+            generated: Vec::new(),
+        }
+    }
+
     /// The decoder of assistant turn `turn_index` (its sampling stream) generating at most
     /// `n_gen` ids among the first `n_allowed`; thinking as `cfg.thinking`.
     pub fn new(
@@ -226,7 +255,7 @@ impl TurnDecoder {
     ) -> Result<TurnDecoder, SessionError> {
         let thinking = matches!(cfg.thinking, Thinking::On { .. });
         Ok(TurnDecoder {
-            parser: ReplyParser::new(tok, thinking)?,
+            parser: Parse::Chat(ReplyParser::new(tok, thinking)?),
             sampler: Sampler::for_turn(cfg.sampling, turn_index),
             n_allowed,
             n_gen: cfg.n_gen,
@@ -253,8 +282,25 @@ impl TurnDecoder {
         if next != self.eom && self.extra_stop_ids.contains(&next) {
             return Ok(Some(Stop::StopId(next)));
         }
+        let parser = match &mut self.parser {
+            Parse::Chat(p) => p,
+            Parse::Raw { decoder, text } => {
+                if next == self.eom {
+                    return Ok(Some(Stop::EndOfMessage));
+                }
+                let piece = decoder.push(tok, next).map_err(k3_text::ChatError::from)?;
+                if !piece.is_empty() {
+                    text.push_str(&piece);
+                    on_event(Event::Text {
+                        channel: Channel::Response,
+                        text: &piece,
+                    });
+                }
+                return Ok(None);
+            }
+        };
         let mut ended = false;
-        for ev in self.parser.push(tok, next)? {
+        for ev in parser.push(tok, next)? {
             match ev {
                 ReplyEvent::Text { channel, text } => on_event(Event::Text {
                     channel,
@@ -273,8 +319,30 @@ impl TurnDecoder {
 
     /// The reply parsed so far (channel text and reasoning).
     pub fn finish(self) -> (Reply, Vec<u32>) {
-        (self.parser.finish(), self.generated)
+        let reply = match self.parser {
+            Parse::Chat(p) => p.finish(),
+            Parse::Raw {
+                mut decoder,
+                mut text,
+            } => {
+                text.push_str(&decoder.finish());
+                Reply {
+                    content: text,
+                    complete: self.generated.last() == Some(&self.eom),
+                    ..Reply::default()
+                }
+            }
+        };
+        (reply, self.generated)
     }
+}
+
+/// What [`Session::generate`] produces: a REPL turn answering a user message (committable),
+/// the reply to the transcript as set, or a raw continuation; with the sampling stream.
+enum Gen {
+    Turn(Message, u64),
+    Reply(u64),
+    Raw,
 }
 
 /// A conversation on one model. See the module docs.
@@ -391,6 +459,25 @@ impl<'s> Session<'s> {
         self.cfg.sampling = sampling;
     }
 
+    /// The prompt-shaping request fields of the next turns (tools, tool choice, response
+    /// format: the HTTP server takes them per request). The transcript must still render.
+    pub fn set_prompt_extras(
+        &mut self,
+        tools: Option<k3_text::pyjson::PyJson>,
+        tool_choice: Option<chat::ToolChoice>,
+        response_format: Option<chat::ResponseFormat>,
+    ) -> Result<(), SessionError> {
+        let opts = RenderOptions {
+            tools,
+            tool_choice,
+            response_format,
+            ..self.opts.clone()
+        };
+        chat::render_prompt(&self.messages, &opts)?;
+        self.opts = opts;
+        Ok(())
+    }
+
     fn drop_state(&mut self) {
         self.state = SeqState::new(self.spec);
         self.fed.clear();
@@ -489,7 +576,72 @@ impl<'s> Session<'s> {
         let mut candidate = self.messages.clone();
         candidate.push(user.clone());
         let target = self.prompt_ids(&candidate, true)?;
-        let prefill = self.sync(exec, w, &target, interrupt)?;
+        let turn_index = self.next_turn_index();
+        self.generate(
+            exec,
+            w,
+            &target,
+            Gen::Turn(user, turn_index),
+            interrupt,
+            on_event,
+        )
+    }
+
+    /// The assistant's reply to the transcript as it stands (set by [`Self::set_messages`];
+    /// it ends with a user message or tool results): the HTTP server's turn. Sampling stream
+    /// = the number of assistant records in the transcript. The transcript is not changed
+    /// (`records` is `None`).
+    pub fn reply(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        interrupt: &AtomicBool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<TurnOutcome, SessionError> {
+        let target = self.prompt_ids(&self.messages, true)?;
+        let turn_index = self.next_turn_index();
+        self.generate(
+            exec,
+            w,
+            &target,
+            Gen::Reply(turn_index),
+            interrupt,
+            on_event,
+        )
+    }
+
+    /// A raw continuation of `prompt` (ids, checked against the model's vocabulary): no chat
+    /// grammar, sampling stream 0 (see [`TurnDecoder::raw`]). The transcript is not used or
+    /// changed; the state is reused as for a turn.
+    pub fn complete_raw(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        prompt: &[u32],
+        interrupt: &AtomicBool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<TurnOutcome, SessionError> {
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= self.n_allowed) {
+            return Err(SessionError::TokenOutsideModel {
+                id,
+                what: "a prompt id".into(),
+                vocab: self.n_allowed,
+            });
+        }
+        self.generate(exec, w, prompt, Gen::Raw, interrupt, on_event)
+    }
+
+    /// Prefill `target` and generate what `kind` says.
+    fn generate(
+        &mut self,
+        exec: &mut Executor<'_>,
+        w: &mut Providers<'_>,
+        target: &[u32],
+        kind: Gen,
+        interrupt: &AtomicBool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<TurnOutcome, SessionError> {
+        let prefill = self.sync(exec, w, target, interrupt)?;
         let mut out = TurnOutcome {
             stop: Stop::Interrupted,
             prefill,
@@ -504,13 +656,12 @@ impl<'s> Session<'s> {
         }
         on_event(Event::Prefilled(prefill));
 
-        let mut dec = TurnDecoder::new(
-            &self.tok,
-            &self.cfg,
-            self.next_turn_index(),
-            self.n_allowed,
-            self.eom,
-        )?;
+        let mut dec = match &kind {
+            Gen::Turn(_, k) | Gen::Reply(k) => {
+                TurnDecoder::new(&self.tok, &self.cfg, *k, self.n_allowed, self.eom)?
+            }
+            Gen::Raw => TurnDecoder::raw(&self.cfg, 0, self.n_allowed, self.eom),
+        };
         let max = exec.plan().max_positions;
         let t0 = Instant::now();
         let mut stop = Stop::GenLimit;
@@ -589,7 +740,9 @@ impl<'s> Session<'s> {
         }
         out.decode_seconds = t0.elapsed().as_secs_f64();
         out.stop = stop;
-        if stop.commits() {
+        if stop.commits()
+            && let Gen::Turn(user, _) = kind
+        {
             out.records = Some([user, out.reply.to_message()]);
         }
         Ok(out)

@@ -9,9 +9,12 @@
 //! Must not: model math (it drives [`crate::exec::Executor`]), XTML or tokenizer rules
 //! (k3-text owns them), or serialise model state (a restart re-prefills the history).
 
+pub mod limits;
+pub mod metrics;
 pub mod render;
 pub mod repl;
 pub mod serve;
+pub mod tools;
 
 pub use k3_engine::chat::{batch, sample, session};
 
@@ -60,6 +63,18 @@ pub struct ChatArgs {
     /// (default 0).
     #[arg(long, value_name = "MS", requires = "serve")]
     pub batch_window: Option<u64>,
+    /// Serve: the API key every request but `GET /health` must send as `Authorization:
+    /// Bearer KEY` (default: the K3RUN_API_KEY environment variable; none: no key needed).
+    /// Never printed.
+    #[arg(long, value_name = "KEY", requires = "serve")]
+    pub api_key: Option<String>,
+    /// Serve: most requests waiting for a slot (default 64); one more is answered 429 with
+    /// Retry-After.
+    #[arg(long, value_name = "N", requires = "serve")]
+    pub max_queue: Option<usize>,
+    /// Serve: no log line per request on stderr.
+    #[arg(long, requires = "serve")]
+    pub no_request_log: bool,
     /// Chat: sample with this temperature (switches sampling on; default 1.0; 0 = greedy).
     #[arg(long, requires = "chat")]
     pub temperature: Option<f32>,

@@ -151,7 +151,7 @@ def parts(d, out):
     if lap:
         r = load(os.path.join(d, f"{lap[0]['key']}.r1.json"))
         tr = r["trunk"]
-        ring = tr.get("shared_ring_bytes") or tr["ring_slots"] * tr.get("slot_bytes", 0)
+        ring = tr.get("shared_ring_bytes") or tr["ring_slots"] * tr["ring_slot_bytes"]
         used = tr["pinned_bytes"] + ring + r["experts"]["budget_bytes"] + lm_head
         overhead = lap[0]["rss"] - used
     cores = os.cpu_count()
@@ -197,19 +197,20 @@ def compute_seconds(P, plan, scale=1.0):
     return tot * scale, [p * scale for p in per]
 
 
-def machine_scale(P, cores=None, dram=None):
-    s = 1.0
-    if cores is None and dram is None:
-        return s
-    if P["bound"] == "cpu":
-        if cores:
-            s = P["cores"] / cores
-        if dram:
-            # cannot go faster than streaming the weights from DRAM at the new bandwidth
-            s = max(s, P["compute_rate_bytes_per_s"] / dram * (1 / 1.0) * 1.0 * 0 + 0)
-    elif dram:
-        s = P["dram_bytes_per_s"] / dram
-    return s
+def machine_scale(P, cores=None):
+    """Compute-time factor on a machine with `cores` cores: the parts were measured with
+    P["cores"] threads; decode's matvecs are split by rows across threads, so the time scales
+    with the core count until DRAM bandwidth binds (decode() takes the max with
+    touched bytes / DRAM when a DRAM figure is given)."""
+    return P["cores"] / cores if cores else 1.0
+
+
+def n_experts(plan):
+    return plan["buffers"]["n_experts"], plan["buffers"]["n_experts_active"]
+
+
+def state_bytes(plan, positions=4096):
+    return sum(l["state_bytes"] + l["kv_bytes_per_position"] * positions for l in plan["layers"])
 
 
 def decode(P, plan, sizes, budget, cache_bytes, ultra, disk, exp_bw, misses_per_token=None,
@@ -219,8 +220,7 @@ def decode(P, plan, sizes, budget, cache_bytes, ultra, disk, exp_bw, misses_per_
     streamed = sum(al[tp["pinned"]:])
     sync_b = sum(al[i] for i in tp["sync"])
     n_moe = sum(1 for l in plan["layers"] if l["ffn"] == "Moe")
-    k = plan.get("experts_per_token", 16)
-    n_exp = plan.get("n_experts", 64)
+    n_exp, k = n_experts(plan)
     if misses_per_token is None:
         cap = cache_bytes // EXPERT_BYTES
         hit = min(1.0, cap / (n_exp * n_moe)) if n_moe else 0.0
@@ -243,6 +243,18 @@ def decode(P, plan, sizes, budget, cache_bytes, ultra, disk, exp_bw, misses_per_
                 expert_bytes=exp_b, misses=misses_per_token)
 
 
+def row_budget(args):
+    """The trunk budget in bytes a wide.sh row's arguments give (--trunk-gb wins, else the
+    preset's trunk_gb)."""
+    a = args.split()
+    if "--trunk-gb" in a:
+        return int(float(a[a.index("--trunk-gb") + 1]) * 1e9)
+    if "--preset" in a:
+        name = a[a.index("--preset") + 1]
+        return int(dict((p[0], p[1]) for p in PRESETS)[name] * 1e9)
+    return None
+
+
 def check(pp, d):
     P = load(pp)
     plan = load(os.path.join(d, "plan.json"))
@@ -262,9 +274,7 @@ def check(pp, d):
             continue
         r = load(os.path.join(d, f"{e['key']}.r1.json"))
         tr = r["trunk"]
-        budget = tr["budget_bytes"] if "budget_bytes" in tr else None
-        if budget is None:
-            continue
+        budget = row_budget(e["args"])
         ring = 1 if "--trunk-ring 1" in e["args"] else 2
         n_dec = len(r["generated_ids"]) - 1
         g1 = load(os.path.join(d, f"{e['key']}.gen1.json"))
@@ -294,10 +304,10 @@ def k3(pp, plan_path, disk_gbs, cores, dram_gbs, exp_gbs, prompt):
     disk = disk_gbs * 1e9 if disk_gbs else P["disk_bytes_per_s"]
     exp_bw = exp_gbs * 1e9 if exp_gbs else (disk if disk_gbs else P["expert_bytes_per_s"])
     dram = dram_gbs * 1e9 if dram_gbs else None
-    scale = machine_scale(P, cores, dram)
+    scale = machine_scale(P, cores)
     n_moe = sum(1 for l in plan["layers"] if l["ffn"] == "Moe")
     lm = plan["global_bytes"] // 2
-    state = plan.get("decode_state_bytes", 0)
+    state = state_bytes(plan, 4096)
     over = P.get("run_overhead_bytes") or 0
     cpu, _ = compute_seconds(P, plan, scale)
     where = (f"disk {disk/1e9:.2f} GB/s, experts {exp_bw/1e9:.2f} GB/s, "
@@ -315,8 +325,7 @@ def k3(pp, plan_path, disk_gbs, cores, dram_gbs, exp_gbs, prompt):
         ring_b = tp["shared"] or tp["ring"] * tp["slot"]
         al = [(s + ALIGN - 1) // ALIGN * ALIGN for s in sizes]
         peak = sum(al[:tp["pinned"]]) + ring_b + cg * 1e9 + (0 if ultra else lm) + state + over
-        n_exp = plan.get("n_experts", 896)
-        k = plan.get("experts_per_token", 16)
+        n_exp, k = n_experts(plan)
         pre_exp = n_moe * min(k * prompt, n_exp) * EXPERT_BYTES
         pre_io = (p["streamed_bytes"] + (lm if ultra else 0)) / disk + pre_exp / exp_bw
         first = max(pre_io, cpu * prompt) if tp["ring"] != 1 or tp["shared"] else pre_io + cpu * prompt

@@ -5,7 +5,7 @@
 # Usage: sudo bench/wide.sh [ROWS_FILE]
 #   Env: K3B_WORK [/work/k3wide-data]  K3B_MODEL [$K3B_WORK/k3-wide]
 #        K3B_TRUNK [$K3B_WORK/k3-wide-trunk]  K3B_IDS [1,2,3,4]  K3B_GEN [4]  K3B_REPS [1]
-#        K3B_THREADS [unset]  K3B_LONG [128: tokens of the long prompt]
+#        K3B_THREADS [unset]  K3B_LONG [64: tokens of the long prompt]
 #
 # Rows (default table below, or ROWS_FILE in the same format): NAME CAP_GB GROUP ARGS...
 #   CAP_GB "none" = no cgroup cap. GROUP names what must be identical: every row of a group
@@ -21,6 +21,8 @@
 #   byte counters are subtracted so decode bytes per token are exact) and a QD16 O_DIRECT
 #   probe of trunk.bin just before (the I/O floor's bandwidth; resident rows probe DRAM).
 #
+# The whole model resident (33.9 GB) does not fit this machine's 24 GB of RAM; a row without
+# --layers and --trunk can still be given in ROWS_FILE (`m-resident none short @IDS@`).
 # Streaming rows start with the page cache dropped; resident rows (no --trunk) warm with their
 # own --gen 1 run. The `--layers N --resident arena` rows time the first N layers in RAM
 # (2 MiB-page arena): the differences between them are the per-layer compute by kind. Every run is under GNU time (disk bytes, CPU) and, with a cap, in its own
@@ -39,14 +41,13 @@ IDS="${K3B_IDS:-1,2,3,4}"
 IDS2="${K3B_IDS2:-5,6,7,8}"
 GEN="${K3B_GEN:-4}"
 REPS="${K3B_REPS:-1}"
-NLONG="${K3B_LONG:-128}"
+NLONG="${K3B_LONG:-64}"
 LONG="$(python3 -c "print(','.join(str((i * 7919 + 13) % 160000 + 300) for i in range($NLONG)))")"
 out="$(k3b_outdir wide)"
 k3b_log "results in $out"
 
 rows_default() {
     cat << 'ROWS'
-m-resident      none  short  @IDS@
 m-res-L1        none  L1     @IDS@ --layers 1 --resident arena
 m-res-L2        none  L2     @IDS@ --layers 2 --resident arena
 m-res-L3        none  L3     @IDS@ --layers 3 --resident arena
@@ -58,14 +59,14 @@ m-ring2         none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb
 m-pin0          none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @PIN0@ --trunk-ring 1 --cache-gb 0
 m-half          none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @HALF@ --cache-gb 0
 m-pinned        none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb 0
-pinned-c4       none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb 4
+pinned-c2       none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb 2
 ring2-c1        none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb 1
 ring2-c8        none  short  @IDS@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb 8
 m-ultra         none  short  @IDS@ --trunk @TRUNK@ --preset ultra
-resident-2      none  short2 @IDS2@
+ring2-p2        none  short2 @IDS2@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb 0
 batch-laptop    none  batch  @BATCH@ --trunk @TRUNK@ --preset laptop
-long-laptop-c32 none  long   @LONG@ --trunk @TRUNK@ --preset laptop --prefill-chunk 32
-long-ring2-c128 none  long   @LONG@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb 1 --prefill-chunk 128
+long-laptop-c16 none  long   @LONG@ --trunk @TRUNK@ --preset laptop --prefill-chunk 16
+long-ring2-c64  none  long   @LONG@ --trunk @TRUNK@ --trunk-gb @SLOT2@ --cache-gb 1 --prefill-chunk 64
 long-pinned     none  long   @LONG@ --trunk @TRUNK@ --trunk-gb @ALL@ --cache-gb 1
 ROWS
 }

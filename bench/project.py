@@ -120,18 +120,18 @@ def parts(d, out):
     t = {n: spt(f"m-res-L{n}") for n in (1, 2, 3, 4)}
     if None in t.values():
         sys.exit(f"parts: need the m-res-L1..L4 rows in {d}: {t}")
-    kda_moe = ((t[2] - t[1]) + (t[3] - t[2])) / 2
-    mla_moe = t[4] - t[3]
     active = plan["active_expert_bytes_per_layer"]
-    b = {k: None for k in ("kda_dense", "kda_moe", "mla_moe")}
-    for l in layers:
-        b.setdefault(kind(l), None)
-        if b[kind(l)] is None:
-            b[kind(l)] = l["trunk_bytes"] + (active if l["ffn"] == "Moe" else 0)
-    rate = b["kda_moe"] / kda_moe  # bytes of weights per second the compute gets through
     lm_head = plan["global_bytes"] // 2
+    b = {}
+    for l in layers:
+        b.setdefault(kind(l), l["trunk_bytes"] + (active if l["ffn"] == "Moe" else 0))
+    # --layers 1 = layer 0 (KDA + dense MLP, bf16) + lm_head (bf16): both bf16 matvecs, split
+    # by bytes; the bf16 rate also prices the router bytes another expert count adds
+    rate = (b["kda_dense"] + lm_head) / t[1]
     head = lm_head / rate
     kda_dense = t[1] - head
+    kda_moe = t[2] - t[1]  # layer 1
+    mla_moe = (t[4] - t[2]) - kda_moe  # layers 2 (KDA + MoE) and 3 (MLA + MoE)
     dram = med([e.get("dram_bw") for e in summ.values()])
     probes = []
     for f in sorted(os.listdir(d)):
@@ -165,7 +165,7 @@ def parts(d, out):
         compute_seconds=dict(kda_dense=kda_dense, kda_moe=kda_moe, mla_moe=mla_moe, head=head),
         compute_bytes=b,
         compute_rate_bytes_per_s=rate,
-        bound="cpu" if dram and rate < 0.6 * dram else "dram",
+        l3_check_seconds=t[3] - t[2],
         resident_layers_seconds=t,
         run_overhead_bytes=overhead,
         lm_head_bytes=lm_head,
@@ -255,7 +255,7 @@ def row_budget(args):
     return None
 
 
-def check(pp, d):
+def check(pp, d, disk_gbs=None):
     P = load(pp)
     plan = load(os.path.join(d, "plan.json"))
     summ = load(os.path.join(d, "summary.json"))
@@ -265,7 +265,8 @@ def check(pp, d):
             trunk = e["args"].split("--trunk ")[1].split()[0]
             break
     sizes = [l["size"] for l in load(os.path.join(trunk, "trunk.json"))["layers"]]
-    disk = P["disk_bytes_per_s"]
+    disk = disk_gbs * 1e9 if disk_gbs else P["disk_bytes_per_s"]
+    print(f"disk {disk/1e9:.2f} GB/s, compute from the parts\n")
     print("| row | budget | plan | predicted s/token | measured s/token | error |")
     print("|---|---|---|---|---|---|")
     errs = []
@@ -280,8 +281,7 @@ def check(pp, d):
         g1 = load(os.path.join(d, f"{e['key']}.gen1.json"))
         misses = (r["experts"]["misses"] - g1["experts"]["misses"]) / n_dec
         ultra = "ultra" in e["args"]
-        p = decode(P, plan, sizes, budget, r["experts"]["budget_bytes"], ultra, e.get("bw") or disk,
-                   P["expert_bytes_per_s"], misses, ring)
+        p = decode(P, plan, sizes, budget, r["experts"]["budget_bytes"], ultra, disk, disk, misses, ring)
         err = p["s_per_token"] / e["spt_med"] - 1
         errs.append(abs(err))
         tp = p["plan"]
@@ -307,7 +307,7 @@ def k3(pp, plan_path, disk_gbs, cores, dram_gbs, exp_gbs, prompt):
     scale = machine_scale(P, cores)
     n_moe = sum(1 for l in plan["layers"] if l["ffn"] == "Moe")
     lm = plan["global_bytes"] // 2
-    state = state_bytes(plan, 4096)
+    state = state_bytes(plan, prompt + 64)  # the request's positions: prompt + 64 generated
     over = P.get("run_overhead_bytes") or 0
     cpu, _ = compute_seconds(P, plan, scale)
     where = (f"disk {disk/1e9:.2f} GB/s, experts {exp_bw/1e9:.2f} GB/s, "
@@ -344,6 +344,7 @@ def main():
     c = sub.add_parser("check")
     c.add_argument("parts")
     c.add_argument("dir")
+    c.add_argument("--disk-gbs", type=float)
     k = sub.add_parser("k3")
     k.add_argument("parts")
     k.add_argument("--plan", default=None)
@@ -356,7 +357,7 @@ def main():
     if x.cmd == "parts":
         parts(x.dir, x.out)
     elif x.cmd == "check":
-        check(x.parts, x.dir)
+        check(x.parts, x.dir, x.disk_gbs)
     else:
         k3(x.parts, x.plan, x.disk_gbs, x.cores, x.dram_gbs, x.expert_gbs, x.prompt)
 

@@ -56,13 +56,22 @@ fn identical_output_at_the_release_widths() {
     let cases: Vec<(&str, MemorySettings)> = vec![
         ("one slot (sync), no cache", streamed(largest, 1, Some(0))),
         // layer 0 does not fit twice: one slot widened to a shared ring
-        ("shared ring, cache 1 expert", streamed(largest, 2, Some(expert))),
-        ("two slots, cache 16 experts", streamed(2 * largest, 2, Some(16 * expert))),
+        (
+            "shared ring, cache 1 expert",
+            streamed(largest, 2, Some(expert)),
+        ),
+        (
+            "two slots, cache 16 experts",
+            streamed(2 * largest, 2, Some(16 * expert)),
+        ),
         (
             "layer 0 pinned + one slot, cache 40 experts",
             streamed(al[0] + largest, 1, Some(40 * expert)),
         ),
-        ("all pinned, every expert cached", streamed(total + largest, 2, Some(1 << 40))),
+        (
+            "all pinned, every expert cached",
+            streamed(total + largest, 2, Some(1 << 40)),
+        ),
         ("ultra-low-memory, shared ring", ulm),
     ];
     for (label, s) in &cases {

@@ -61,6 +61,8 @@ pub enum Command {
     PackTrunk(PackCli),
     /// Replay an expert-request trace under LRU and Belady's optimum at several capacities.
     SimCache(SimCli),
+    /// Plugins: `plugins list [PLUGIN...]` shows name, kind and ABI version of each.
+    Plugins(crate::plugins_cmd::PluginsCli),
     /// Print exactly what the model will see for a transcript plus the generation prompt.
     RenderChat(crate::chat::RenderChatArgs),
     /// Check a download: shard count, exact total bytes, every shard's size (headers only);
@@ -111,6 +113,14 @@ pub struct SimCli {
     /// Bytes of one expert (to print capacities in GB).
     #[arg(long)]
     pub expert_bytes: Option<u64>,
+    /// Also replay the trace through this cache-policy plugin (repeatable): its hit rate and
+    /// the share of the LRU-to-Belady gap it closes. A bare name is looked for in the current
+    /// directory, configs/plugins and next to k3-run.
+    #[arg(long = "plugin", value_name = "PLUGIN")]
+    pub plugins: Vec<PathBuf>,
+    /// KEY=VALUE for the plugins' create (repeatable; `trace=` is set to TRACE).
+    #[arg(long = "plugin-opt", value_name = "KEY=VALUE")]
+    pub plugin_opts: Vec<String>,
 }
 
 /// Memory and I/O flags (SYSTEM.md §5). For the two budgets, the later of `--preset` and the
@@ -148,9 +158,15 @@ pub struct MemArgs {
     /// requests whether the experts are resident or cached (also with --batch-ids).
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
-    /// Expert-cache eviction policy plugin (.so implementing plugins/abi; default: built-in LRU).
+    /// Expert-cache policy plugin (a library speaking plugins/abi; default: built-in LRU). A
+    /// bare name (e.g. `lfu`) is looked for in the current directory, $K3_PLUGIN_DIR,
+    /// configs/plugins and next to k3-run (`k3-run plugins list`).
     #[arg(long)]
     pub eviction_plugin: Option<PathBuf>,
+    /// KEY=VALUE given to the plugins' create (repeatable), e.g. `trace=t/expert_trace.bin`
+    /// for the belady plugin, `out=run.json` for the replay drafter.
+    #[arg(long = "plugin-opt", value_name = "KEY=VALUE")]
+    pub plugin_opts: Vec<String>,
     /// Speculative expert prefetch with a streamed expert cache: guess each MoE layer's
     /// top-(k + margin) experts ahead of its routing and read them meanwhile. `true` (or no
     /// value): margin 0; a number: that margin; `false`: off. Default: on (margin 0) when the
@@ -264,6 +280,10 @@ pub struct RunArgs {
     /// when guesses hold (1..=32).
     #[arg(long, value_name = "K", conflicts_with = "batch_ids")]
     pub speculate: Option<usize>,
+    /// With --speculate: take the guesses from this draft-provider plugin (e.g. `ngram`,
+    /// `replay`) instead of the built-in prompt lookup; the same ids either way.
+    #[arg(long, value_name = "PLUGIN", requires = "speculate", conflicts_with_all = ["chat", "serve"])]
+    pub draft_plugin: Option<PathBuf>,
     /// Prompt tokens per pass over the weights (1..=4096; default 64, or 256 when trunk layers
     /// are read from disk on every pass and the memory allows): a streamed trunk is read once
     /// per chunk; each token of a chunk holds working memory (printed with the decode state and
@@ -581,6 +601,7 @@ pub fn memory_settings(
         io,
         trace_experts: m.dump_cache_trace.is_some(),
         eviction_plugin: m.eviction_plugin.clone(),
+        plugin_options: m.plugin_opts.clone(),
         expert_prefetch: match m.expert_prefetch {
             Some(PrefetchArg(margin)) => margin,
             None => crate::session::MemorySettings::default().expert_prefetch,
@@ -600,6 +621,11 @@ pub fn memory_settings(
         return Err(Failure::usage(
             "--eviction-plugin and --expert-prefetch act on the expert cache: add --cache-gb \
              (or a --preset); without it the routed experts are resident",
+        ));
+    }
+    if !m.plugin_opts.is_empty() && m.eviction_plugin.is_none() && a.draft_plugin.is_none() {
+        return Err(Failure::usage(
+            "--plugin-opt configures a plugin: add --eviction-plugin or --draft-plugin",
         ));
     }
     if let Some(dir) = &settings.trunk_dir {
@@ -1162,6 +1188,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         incremental: a.incremental,
         stop_ids: a.stop_ids.clone(),
     };
+    let mut drafter = crate::plugins_cmd::run_drafter(a, &spec, speculation)?;
+    let drafter_name = drafter.as_ref().map(|d| d.name().to_string());
     let providers = &mut session.providers;
     let time_to_first_token = std::cell::Cell::new(None::<f64>);
     // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal,
@@ -1182,7 +1210,16 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             layer_logits: a.dump_layer_logits.is_some(),
             prompt_logits: a.dump_prompt_logits.is_some(),
         };
-        run::generate_with(&spec, exec, providers, &req, start, opts, &mut on_token)
+        run::generate_with_drafter(
+            &spec,
+            exec,
+            providers,
+            &req,
+            start,
+            opts,
+            drafter.take(),
+            &mut on_token,
+        )
     });
     let mut spec_stats = None;
     let res = res.map(|(r, st, end)| {
@@ -1250,8 +1287,11 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     );
     if let Some(st) = &spec_stats {
         println!(
-            "speculation: {} passes for {} tokens ({:.2} per pass); {} guesses, {} accepted \
+            "speculation{}: {} passes for {} tokens ({:.2} per pass); {} guesses, {} accepted \
              ({:.0}%), {} rewinds",
+            drafter_name
+                .as_deref()
+                .map_or_else(String::new, |n| format!(" ({n})")),
             st.passes,
             res.generated_ids.len(),
             if st.passes > 0 {
@@ -1916,6 +1956,9 @@ pub(crate) fn ctrl_c_flag(second_exit: i32) -> Arc<AtomicBool> {
 fn sim_main(p: &SimCli) -> Result<u8, Failure> {
     let recs =
         crate::stream::trace::read_trace(&p.trace).map_err(|e| Failure::usage(e.to_string()))?;
+    if !p.plugins.is_empty() {
+        return crate::plugins_cmd::sim_with_plugins(p, &recs);
+    }
     print!(
         "{}",
         crate::stream::trace::sim_table(&recs, &p.capacities, p.expert_bytes)
@@ -2149,6 +2192,7 @@ pub fn main() -> ExitCode {
         Some(Command::PackTrunk(p)) => pack_main(p),
         Some(Command::Doctor(d)) => crate::doctor::main(d),
         Some(Command::SimCache(p)) => sim_main(p),
+        Some(Command::Plugins(p)) => crate::plugins_cmd::main(p),
         Some(Command::Verify(v)) => crate::verify::main(v),
         Some(Command::Budget(b)) => crate::budget::main(b),
         None => run_main(&cli.run),

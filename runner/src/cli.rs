@@ -1080,6 +1080,8 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let (settings, notes) = memory_settings(a)?;
     let (spec, files) = run_spec_files(a, model_dir)?;
+    let mut drafter = crate::plugins_cmd::run_drafter(a, &spec, speculation)?;
+    let drafter_name = drafter.as_ref().map(|d| d.name().to_string());
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
         let from = if a.ids.is_some() {
             "--ids"
@@ -1188,8 +1190,6 @@ fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         incremental: a.incremental,
         stop_ids: a.stop_ids.clone(),
     };
-    let mut drafter = crate::plugins_cmd::run_drafter(a, &spec, speculation)?;
-    let drafter_name = drafter.as_ref().map(|d| d.name().to_string());
     let providers = &mut session.providers;
     let time_to_first_token = std::cell::Cell::new(None::<f64>);
     // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal,

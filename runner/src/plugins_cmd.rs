@@ -140,6 +140,12 @@ pub fn sim_with_plugins(p: &SimCli, recs: &[(u32, u32)]) -> Result<u8, Failure> 
     // The trace itself is the belady plugin's input; a user's trace= comes later and wins.
     let mut opts = vec![format!("trace={}", p.trace.display())];
     opts.extend(p.plugin_opts.iter().cloned());
+    // Each plugin is created once before anything is printed: a create error is the answer.
+    let first = p.capacities.iter().copied().find(|&c| c > 0).unwrap_or(1);
+    for l in &loaded {
+        let shape = trace_shape(recs, first, p.expert_bytes.unwrap_or(0));
+        plugins::cache_policy_from(l, &shape, &opts).map_err(|e| Failure::usage(e.0))?;
+    }
     let mut head = String::from("capacity (experts)   GB       LRU hit %   Belady hit %");
     for l in &loaded {
         head.push_str(&format!("   {:>14}  gap closed", format!("{} hit %", l.name)));

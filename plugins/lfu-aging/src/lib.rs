@@ -2,11 +2,15 @@
 //!
 //! Owns: a request count per (layer, expert) kept for the whole run, resident or not (so an
 //! expert that comes back after an eviction keeps its history), halved every `age_every`
-//! requests (default: 8 x the capacity) so popularity can shift; the victim is the candidate
-//! with the lowest count, ties to the least recently used, then the lowest slot.
+//! requests (default: 16 x the capacity) so popularity can shift; the victim is the candidate
+//! with the lowest count; ties go to the expert whose layer comes round last (the layer just
+//! computed: with every token sweeping the layers in order, its experts are needed farthest in
+//! the future), then the lowest slot.
 //! Why: with flat routing every token sweeps all layers in order, and LRU evicts exactly what
 //! the next token needs (a cyclic scan); frequency keeps the popular experts through the sweep.
-//! Options (`--plugin-opt`): `age_every=N` requests between halvings (0 = never).
+//! Options (`--plugin-opt`): `age_every=N` requests between halvings (default 16 x the
+//! capacity; 0 = never); `mode=layer` (default), `lru` (ties to the least recently used) or
+//! `density` (evict the lowest (count + prior) / layers until its layer's turn; `prior=F`).
 //! Build: `cargo build --release -p k3-plugin-lfu` gives `target/release/libk3_plugin_lfu.so`.
 
 use std::collections::HashMap;
@@ -22,19 +26,46 @@ pub struct Lfu {
     clock: u64,
     age_every: u64,
     since_aging: u64,
+    /// Layers (for the distance to a layer's next turn).
+    n_layers: u32,
+    /// The layer of the latest request.
+    cur_layer: u32,
+    /// How the victim is scored (`mode=`): 0 = count then LRU, 1 = count then farthest
+    /// layer, 2 = count / distance.
+    mode: u8,
+    prior: f64,
+}
+
+impl Lfu {
+    /// Layers until `layer` comes round again (the current layer counts as a full cycle).
+    fn distance(&self, layer: u32) -> u32 {
+        let n = self.n_layers.max(1);
+        let d = (layer % n + n - self.cur_layer % n) % n;
+        if d == 0 { n } else { d }
+    }
 }
 
 impl CachePolicy for Lfu {
     fn create(setup: &CacheSetup) -> Result<Self, String> {
         let age_every = setup
             .options
-            .number("age_every", setup.capacity.saturating_mul(8))?;
+            .number("age_every", setup.capacity.saturating_mul(16))?;
+        let mode = match setup.options.get("mode").unwrap_or("layer") {
+            "lru" => 0,
+            "layer" => 1,
+            "density" => 2,
+            m => return Err(format!("option mode={m}: expected lru, layer or density")),
+        };
         Ok(Lfu {
             counts: HashMap::new(),
             last_use: HashMap::new(),
             clock: 0,
             age_every,
             since_aging: 0,
+            n_layers: setup.n_layers,
+            cur_layer: 0,
+            mode,
+            prior: setup.options.number("prior", 1.0)?,
         })
     }
 
@@ -42,6 +73,7 @@ impl CachePolicy for Lfu {
         let key = (ev.layer, ev.expert);
         match ev.kind {
             EV_REQUEST => {
+                self.cur_layer = ev.layer;
                 *self.counts.entry(key).or_insert(0) += 2;
                 self.since_aging += 1;
                 if self.age_every > 0 && self.since_aging >= self.age_every {
@@ -62,6 +94,29 @@ impl CachePolicy for Lfu {
     }
 
     fn choose_victim(&mut self, candidates: &[Candidate]) -> usize {
+        let count = |c: &Candidate| {
+            self.counts
+                .get(&(c.key.layer, c.key.expert))
+                .copied()
+                .unwrap_or(0)
+        };
+        if self.mode == 1 {
+            return candidates
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, c)| (count(c), u32::MAX - self.distance(c.key.layer), c.slot))
+                .map_or(0, |(i, _)| i);
+        }
+        if self.mode == 2 {
+            let score = |c: &Candidate| {
+                (f64::from(count(c)) + self.prior) / f64::from(self.distance(c.key.layer))
+            };
+            return candidates
+                .iter()
+                .enumerate()
+                .min_by(|(_, a), (_, b)| score(a).total_cmp(&score(b)).then(a.slot.cmp(&b.slot)))
+                .map_or(0, |(i, _)| i);
+        }
         candidates
             .iter()
             .enumerate()
@@ -108,7 +163,7 @@ mod tests {
             n_layers: 1,
             n_experts: 4,
             top_k: 1,
-            options: Options::parse("age_every=6"),
+            options: Options::parse("age_every=6\nmode=lru"),
         };
         let mut p = Lfu::create(&setup).expect("create");
         for e in [0, 0, 0, 1] {

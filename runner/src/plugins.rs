@@ -252,8 +252,7 @@ fn open(spec: &Path) -> Result<(&'static libloading::Library, PathBuf), PluginEr
     match unsafe { libloading::Library::new(&path) } {
         Ok(lib) => Ok((Box::leak(Box::new(lib)), path)),
         Err(e) => {
-            let why = what_the_file_is(&path)
-                .map_or_else(String::new, |w| format!("{w}; "));
+            let why = what_the_file_is(&path).map_or_else(String::new, |w| format!("{w}; "));
             Err(PluginError(format!(
                 "plugin {}: cannot load: {why}the loader says: {}",
                 path.display(),
@@ -610,10 +609,16 @@ mod tests {
             resolve(Path::new("dir/x.so")),
             Some(PathBuf::from("dir/x.so"))
         );
-        assert_eq!(resolve(Path::new("/abs/x.so")), Some(PathBuf::from("/abs/x.so")));
+        assert_eq!(
+            resolve(Path::new("/abs/x.so")),
+            Some(PathBuf::from("/abs/x.so"))
+        );
         assert_eq!(resolve(Path::new("surely-no-such-plugin-name")), None);
         let v = name_variants("draft-ngram");
-        assert!(v.contains(&"libk3_plugin_draft_ngram.so".to_string()), "{v:?}");
+        assert!(
+            v.contains(&"libk3_plugin_draft_ngram.so".to_string()),
+            "{v:?}"
+        );
         assert_eq!(name_variants("x.so"), vec!["x.so".to_string()]);
     }
 
@@ -626,11 +631,19 @@ mod tests {
         assert!(e.contains("notes.so") && e.contains("text file"), "{e}");
         assert!(e.contains("the loader says"), "{e}");
         let e = load(&d.path().join("missing.so")).expect_err("missing").0;
-        assert!(e.contains("missing.so") && e.contains("no such file"), "{e}");
+        assert!(
+            e.contains("missing.so") && e.contains("no such file"),
+            "{e}"
+        );
         let e = load(d.path()).expect_err("dir").0;
         assert!(e.contains("directory"), "{e}");
-        let e = load(Path::new("surely-no-such-plugin-name")).expect_err("bare").0;
-        assert!(e.contains("not found") && e.contains("configs/plugins"), "{e}");
+        let e = load(Path::new("surely-no-such-plugin-name"))
+            .expect_err("bare")
+            .0;
+        assert!(
+            e.contains("not found") && e.contains("configs/plugins"),
+            "{e}"
+        );
         let e = options_text(&["novalue".to_string()]).expect_err("opt").0;
         assert!(e.contains("KEY=VALUE"), "{e}");
     }

@@ -148,7 +148,10 @@ pub fn sim_with_plugins(p: &SimCli, recs: &[(u32, u32)]) -> Result<u8, Failure> 
     }
     let mut head = String::from("capacity (experts)   GB       LRU hit %   Belady hit %");
     for l in &loaded {
-        head.push_str(&format!("   {:>14}  gap closed", format!("{} hit %", l.name)));
+        head.push_str(&format!(
+            "   {:>14}  gap closed",
+            format!("{} hit %", l.name)
+        ));
     }
     println!("{head}");
     let mut fell_back = Vec::new();
@@ -175,8 +178,7 @@ pub fn sim_with_plugins(p: &SimCli, recs: &[(u32, u32)]) -> Result<u8, Failure> 
             let gap = if r.belady_hits > r.lru_hits {
                 format!(
                     "{:>9.1}%",
-                    100.0 * (hits as f64 - r.lru_hits as f64)
-                        / (r.belady_hits - r.lru_hits) as f64
+                    100.0 * (hits as f64 - r.lru_hits as f64) / (r.belady_hits - r.lru_hits) as f64
                 )
             } else {
                 format!("{:>10}", "-")

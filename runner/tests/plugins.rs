@@ -233,7 +233,10 @@ fn sim_cache_replays_plugins_next_to_lru_and_belady() {
     ]);
     ok(&o);
     let out = stdout(&o);
-    assert!(out.contains("lfu hit %") && out.contains("gap closed"), "{out}");
+    assert!(
+        out.contains("lfu hit %") && out.contains("gap closed"),
+        "{out}"
+    );
     for line in out.lines().filter(|l| {
         l.split_whitespace()
             .next()
@@ -242,7 +245,10 @@ fn sim_cache_replays_plugins_next_to_lru_and_belady() {
         let f: Vec<&str> = line.split_whitespace().collect();
         // capacity GB LRU Belady lfu gap belady gap mru gap
         assert_eq!(f.len(), 10, "{line}");
-        assert_eq!(f[3], f[6], "the belady plugin replays Belady exactly: {line}");
+        assert_eq!(
+            f[3], f[6],
+            "the belady plugin replays Belady exactly: {line}"
+        );
         assert_eq!(f[7], "100.0%", "{line}");
         assert_ne!(f[8], f[2], "MRU differs from LRU on a sweep: {line}");
     }
@@ -304,11 +310,7 @@ fn plugins_list_shows_kind_and_abi_and_finds_bare_names() {
     ok(&o);
     assert!(stdout(&o).contains("draft-provider"), "{}", stdout(&o));
     // Not found anywhere: the places searched are named.
-    expect_fail(
-        &k3(&["plugins", "list", "surely-not-a-plugin"]),
-        2,
-        &[],
-    );
+    expect_fail(&k3(&["plugins", "list", "surely-not-a-plugin"]), 2, &[]);
     let o = k3(&["plugins", "list", "surely-not-a-plugin"]);
     let out = stdout(&o);
     assert!(
@@ -316,6 +318,9 @@ fn plugins_list_shows_kind_and_abi_and_finds_bare_names() {
         "{out}"
     );
 }
+
+/// (extra args, environment, what stderr must say).
+type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
 
 /// The C library this process runs on (a real shared library without our symbols).
 fn libc_path() -> String {
@@ -343,7 +348,7 @@ fn broken_plugins_are_clear_errors_and_nothing_is_generated() {
     let testkit = lib("testkit");
     let lfu = lib("lfu");
     let ngram = lib("ngram");
-    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, Vec<&str>)> = vec![
+    let cases: Vec<Case<'_>> = vec![
         (
             vec!["--eviction-plugin", s(&missing)],
             vec![],
@@ -367,7 +372,11 @@ fn broken_plugins_are_clear_errors_and_nothing_is_generated() {
         (
             vec!["--eviction-plugin", &libc],
             vec![],
-            vec!["k3_plugin_entry", "k3_eviction_policy_v1", "not a k3-run plugin"],
+            vec![
+                "k3_plugin_entry",
+                "k3_eviction_policy_v1",
+                "not a k3-run plugin",
+            ],
         ),
         (
             vec!["--eviction-plugin", &testkit],
@@ -375,7 +384,12 @@ fn broken_plugins_are_clear_errors_and_nothing_is_generated() {
             vec!["ABI version 9", "speaks version 2"],
         ),
         (
-            vec!["--eviction-plugin", &testkit, "--plugin-opt", "misbehave=create"],
+            vec![
+                "--eviction-plugin",
+                &testkit,
+                "--plugin-opt",
+                "misbehave=create",
+            ],
             vec![],
             vec!["create failed", "misbehave=create"],
         ),
@@ -442,7 +456,12 @@ fn misbehaving_plugins_warn_and_fall_back_with_the_same_output() {
         &dir,
         "pin",
         &base,
-        &["--eviction-plugin", &testkit, "--plugin-opt", "misbehave=pin"],
+        &[
+            "--eviction-plugin",
+            &testkit,
+            "--plugin-opt",
+            "misbehave=pin",
+        ],
         &[],
     );
     assert_eq!(v["generated_ids"], want["generated_ids"]);

@@ -120,7 +120,9 @@ impl CachePlugin {
                 self.pinned.remove(&k);
             }
             (abi::REPLY_PIN | abi::REPLY_UNPIN, _) => {}
-            (abi::ERR_PANIC, _) => self.fail(format!("event {kind} panicked (caught in the plugin)")),
+            (abi::ERR_PANIC, _) => {
+                self.fail(format!("event {kind} panicked (caught in the plugin)"))
+            }
             (rc, _) => self.fail(format!("event {kind} returned code {rc}")),
         }
     }

@@ -20,11 +20,15 @@ pub mod chat;
 #[allow(missing_docs)]
 pub mod checkpoint;
 #[allow(missing_docs)]
+pub mod draft;
+#[allow(missing_docs)]
 pub mod exec;
 #[allow(missing_docs)]
 pub mod model;
 #[allow(missing_docs)]
 pub mod plan;
+#[allow(missing_docs)]
+pub mod plugins;
 #[allow(missing_docs)]
 pub mod resident;
 #[allow(missing_docs)]

@@ -122,6 +122,22 @@ pub fn generate_with(
     opts: GenOptions,
     on_token: &mut OnToken<'_>,
 ) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
+    generate_with_drafter(spec, exec, w, req, start, opts, None, on_token)
+}
+
+/// [`generate_with`] taking speculative guesses from `drafter` (a `--draft-plugin`) instead of
+/// the built-in prompt lookup. The same ids and logit bits whatever it proposes.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with_drafter(
+    spec: &ModelSpec,
+    exec: &mut Executor<'_>,
+    w: &mut Providers<'_>,
+    req: &GenRequest,
+    start: SeqState,
+    opts: GenOptions,
+    mut drafter: Option<Box<dyn crate::draft::Drafter>>,
+    on_token: &mut OnToken<'_>,
+) -> Result<(GenResult, Option<SpecStats>, SeqState), ExecError> {
     let t0 = Instant::now();
     let mut logits = vec![0.0f32; spec.vocab_size];
     let mut state = start.clone();
@@ -175,7 +191,7 @@ pub fn generate_with(
     let mut sp = opts
         .speculate
         .filter(|_| req.incremental)
-        .map(Speculator::new);
+        .map(|s| Speculator::new(s).with_drafter(drafter.take()));
     let choose = |l: &[f32]| ops::argmax(l) as u32;
     // Verified guesses still to emit (the logits are already past them).
     let mut queue = std::collections::VecDeque::new();

@@ -39,6 +39,8 @@ pub struct MemorySettings {
     pub trace_experts: bool,
     /// Expert-cache eviction policy plugin (a cdylib implementing the k3-plugin-abi vtable).
     pub eviction_plugin: Option<PathBuf>,
+    /// `KEY=VALUE` options for the plugin's create (`--plugin-opt`).
+    pub plugin_options: Vec<String>,
     /// Speculative expert prefetch (`--expert-prefetch`): `Some(margin)` makes the executor
     /// guess the top-(k + margin) experts of each MoE layer ahead of its routing (from the
     /// previous MoE layer's input when the next layer's router is in RAM, else before the
@@ -72,6 +74,7 @@ impl Default for MemorySettings {
             io: IoPolicy::direct(),
             trace_experts: false,
             eviction_plugin: None,
+            plugin_options: Vec::new(),
             expert_prefetch: None,
             expert_prefetch_auto: true,
         }
@@ -225,8 +228,14 @@ pub fn build_with<'c>(
                 c.set_prefetch_margin(m.expert_prefetch);
             }
             if let Some(p) = &m.eviction_plugin {
-                let policy = crate::stream::plugin::load_eviction_plugin(p, c.capacity())?;
-                c.set_policy(Box::new(policy));
+                let shape = crate::plugins::CacheShape {
+                    capacity: c.capacity(),
+                    expert_bytes: c.store().expert_buf_bytes() as u64,
+                    n_layers: spec.n_layers,
+                    n_experts: spec.moe.as_ref().map_or(0, |p| p.n_experts),
+                    top_k: k,
+                };
+                c.set_policy(crate::plugins::cache_policy(p, &shape, &m.plugin_options)?);
             }
             startup.push(c.startup_line());
             // A budget above every expert of the model is never allocated.

@@ -98,6 +98,8 @@ pub struct Speculator {
     mark: Option<StateMark>,
     pass_logits: Vec<Vec<f32>>,
     pub stats: SpecStats,
+    /// Where guesses come from instead of the built-in lookup (`--draft-plugin`).
+    drafter: Option<Box<dyn crate::draft::Drafter>>,
 }
 
 impl Speculator {
@@ -109,7 +111,15 @@ impl Speculator {
             mark: None,
             pass_logits: Vec::new(),
             stats: SpecStats::default(),
+            drafter: None,
         }
+    }
+
+    /// Take guesses from `drafter` (`None`: the built-in prompt lookup). The emitted ids are
+    /// the same whatever it proposes: only guesses the model itself would choose are kept.
+    pub fn with_drafter(mut self, drafter: Option<Box<dyn crate::draft::Drafter>>) -> Self {
+        self.drafter = drafter;
+        self
     }
 
     /// `next` was just emitted and generation goes on: feed it (with any ids still pending)
@@ -137,7 +147,14 @@ impl Speculator {
             .saturating_sub(state.n_pos + self.pending.len());
         // Guesses beyond what is still to emit are wasted: the pass's own next id is one more.
         let k = self.k_cur.min(room.saturating_sub(1)).min(ctx_room);
-        let drafts = lookup_draft(context, k, self.opts.min_ngram, self.opts.max_ngram);
+        let drafts = match self.drafter.as_mut() {
+            Some(d) if k > 0 => {
+                let mut v = d.propose(context, k);
+                v.truncate(k);
+                v
+            }
+            _ => lookup_draft(context, k, self.opts.min_ngram, self.opts.max_ngram),
+        };
         let fed: Vec<u32> = self.pending.iter().chain(&drafts).copied().collect();
         // Logits from the last pending id on: pass_logits[j] predicts drafts[j].
         let n_out = drafts.len() + 1;
@@ -153,6 +170,9 @@ impl Speculator {
         self.stats.passes += 1;
         self.stats.drafted += drafts.len();
         self.stats.accepted += accepted;
+        if let Some(d) = self.drafter.as_mut() {
+            d.on_result(drafts.len(), accepted);
+        }
         std::mem::swap(logits, &mut self.pass_logits[accepted]);
         if accepted == drafts.len() {
             self.pending.clear();

@@ -86,6 +86,14 @@ pub trait EvictionPolicy: Send {
     fn failure(&self) -> Option<&str> {
         None
     }
+    /// `key` was asked for (before its hit or miss).
+    fn on_request(&mut self, _key: ExpertKey) {}
+    /// A token (one forward pass) starts.
+    fn on_token(&mut self) {}
+    /// Whether the policy asked to keep `key` (never offered as a victim while others are).
+    fn is_pinned(&self, _key: ExpertKey) -> bool {
+        false
+    }
 }
 
 /// Least recently used; ties (never touched) go to the lowest slot.
@@ -1153,13 +1161,17 @@ impl<'c> ExpertCache<'c> {
             });
             return Some(self.slots.len() - 1);
         }
-        let candidates: Vec<(ExpertKey, usize)> = self
+        let mut candidates: Vec<(ExpertKey, usize)> = self
             .slots
             .iter()
             .enumerate()
             .filter(|(i, s)| s.state == SlotState::Ready && !protected.contains(i))
             .filter_map(|(i, s)| s.key.map(|k| (k, i)))
             .collect();
+        // Experts the policy pinned are not offered, unless nothing else could go.
+        if candidates.iter().any(|&(k, _)| !self.policy.is_pinned(k)) {
+            candidates.retain(|&(k, _)| !self.policy.is_pinned(k));
+        }
         if candidates.is_empty() {
             return None;
         }
@@ -1189,6 +1201,7 @@ impl ExpertSource for ExpertCache<'_> {
 
     fn begin_token(&mut self) {
         self.token += 1;
+        self.policy.on_token();
         if let Some(t) = &mut self.trace {
             t.push((super::trace::TOKEN_MARK, self.token as u32));
         }
@@ -1218,6 +1231,9 @@ impl ExpertSource for ExpertCache<'_> {
         }
         self.guesses.retain(|(gl, _)| *gl > layer);
         self.stats.requests += ids.len() as u64;
+        for &id in ids {
+            self.policy.on_request((layer, id as usize));
+        }
         let mut places: Vec<Option<Place>> = vec![None; ids.len()];
         let mut protected: HashSet<usize> = HashSet::new();
         // Hits first, so no victim is chosen among the experts this call needs.

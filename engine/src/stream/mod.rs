@@ -21,6 +21,7 @@ pub mod io_policy;
 pub mod pack;
 pub mod plan;
 pub mod plugin;
+pub mod policy;
 pub mod presets;
 pub mod trace;
 pub mod trunk;

@@ -1,5 +1,15 @@
 //! k3-plugin-abi: the stable C ABI between k3-run and its plugins.
 //!
+//! Two generations live here, both loadable by the host:
+//! - **version 2** (current, [`PLUGIN_ABI_VERSION`]): one entry symbol, [`PLUGIN_ENTRY`]
+//!   (`k3_plugin_entry`), negotiated by version, returning a [`PluginDescriptor`] for one of
+//!   two kinds: an expert-cache policy ([`CachePolicyVTable`]) or a speculative-draft provider
+//!   ([`DraftProviderVTable`]). Write one in Rust with the [`CachePolicy`] / [`DraftProvider`]
+//!   traits and [`export_cache_policy!`] / [`export_draft_provider!`], which catch every panic
+//!   at the boundary. docs/PLUGINS.md is the reference.
+//! - **version 1** (below, kept loading unchanged): the eviction-only vtable behind
+//!   `k3_eviction_policy_v1`.
+//!
 //! Owns: `#[repr(C)]` types, the ABI version, the exported symbol names and the result codes.
 //! Must not: depend on anything (plugins build against this crate alone), carry Rust-only
 //! types (trait objects, `String`, `Vec`) across the boundary, or change a published layout:
@@ -99,6 +109,9 @@ pub type EvictionEntryFn = unsafe extern "C" fn() -> *const EvictionVTable;
 
 /// `size_of::<EvictionVTable>()` as a `u32`, for `struct_size`.
 pub const EVICTION_VTABLE_SIZE: u32 = std::mem::size_of::<EvictionVTable>() as u32;
+
+mod v2;
+pub use v2::*;
 
 #[cfg(test)]
 mod tests {

@@ -106,6 +106,8 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let (settings, notes) = memory_settings(a)?;
     let (spec, files) = run_spec_files(a, model_dir)?;
+    let mut drafter = super::plugins_cmd::run_drafter(a, &spec, speculation)?;
+    let drafter_name = drafter.as_ref().map(|d| d.name().to_string());
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= spec.vocab_size) {
         let from = if a.ids.is_some() {
             "--ids"
@@ -234,7 +236,16 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             layer_logits: a.dump_layer_logits.is_some(),
             prompt_logits: a.dump_prompt_logits.is_some(),
         };
-        run::generate_with(&spec, exec, providers, &req, start, opts, &mut on_token)
+        run::generate_with_drafter(
+            &spec,
+            exec,
+            providers,
+            &req,
+            start,
+            opts,
+            drafter.take(),
+            &mut on_token,
+        )
     });
     let mut spec_stats = None;
     let res = res.map(|(r, st, end)| {
@@ -302,8 +313,11 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     );
     if let Some(st) = &spec_stats {
         println!(
-            "speculation: {} passes for {} tokens ({:.2} per pass); {} guesses, {} accepted \
+            "speculation{}: {} passes for {} tokens ({:.2} per pass); {} guesses, {} accepted \
              ({:.0}%), {} rewinds",
+            drafter_name
+                .as_deref()
+                .map_or_else(String::new, |n| format!(" ({n})")),
             st.passes,
             res.generated_ids.len(),
             if st.passes > 0 {

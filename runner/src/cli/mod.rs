@@ -26,6 +26,7 @@ pub use k3_engine::model::KIMI_K3_MANIFEST;
 mod failure;
 mod generate;
 mod pack_trunk;
+pub mod plugins_cmd;
 mod settings;
 mod show_plan;
 mod sim_cache;
@@ -68,6 +69,8 @@ pub enum Command {
     PackTrunk(PackCli),
     /// Replay an expert-request trace under LRU and Belady's optimum at several capacities.
     SimCache(SimCli),
+    /// Plugins: `plugins list [PLUGIN...]` shows name, kind and ABI version of each.
+    Plugins(plugins_cmd::PluginsCli),
     /// Print exactly what the model will see for a transcript plus the generation prompt.
     RenderChat(crate::chat::RenderChatArgs),
     /// Check a download: shard count, exact total bytes, every shard's size (headers only);
@@ -196,6 +199,7 @@ pub fn main() -> ExitCode {
         Some(Command::PackTrunk(p)) => pack_main(p),
         Some(Command::Doctor(d)) => crate::doctor::main(d),
         Some(Command::SimCache(p)) => sim_main(p),
+        Some(Command::Plugins(p)) => plugins_cmd::main(p),
         Some(Command::Verify(v)) => crate::verify::main(v),
         Some(Command::Budget(b)) => crate::budget::main(b),
         None => run_main(&cli.run),

@@ -55,9 +55,15 @@ pub struct MemArgs {
     /// requests whether the experts are resident or cached (also with --batch-ids).
     #[arg(long)]
     pub dump_cache_trace: Option<PathBuf>,
-    /// Expert-cache eviction policy plugin (.so implementing plugins/abi; default: built-in LRU).
+    /// Expert-cache policy plugin (a library speaking plugins/abi; default: built-in LRU). A
+    /// bare name (e.g. `lfu`) is looked for in the current directory, $K3_PLUGIN_DIR,
+    /// configs/plugins and next to k3-run (`k3-run plugins list`).
     #[arg(long)]
     pub eviction_plugin: Option<PathBuf>,
+    /// KEY=VALUE given to the plugins' create (repeatable), e.g. `trace=t/expert_trace.bin`
+    /// for the belady plugin, `out=run.json` for the replay drafter.
+    #[arg(long = "plugin-opt", value_name = "KEY=VALUE")]
+    pub plugin_opts: Vec<String>,
     /// Speculative expert prefetch with a streamed expert cache: guess each MoE layer's
     /// top-(k + margin) experts ahead of its routing and read them meanwhile. `true` (or no
     /// value): margin 0; a number: that margin; `false`: off. Default: on (margin 0) when the
@@ -138,6 +144,10 @@ pub struct RunArgs {
     /// when guesses hold (1..=32).
     #[arg(long, value_name = "K", conflicts_with = "batch_ids")]
     pub speculate: Option<usize>,
+    /// With --speculate: take the guesses from this draft-provider plugin (e.g. `ngram`,
+    /// `replay`) instead of the built-in prompt lookup; the same ids either way.
+    #[arg(long, value_name = "PLUGIN", requires = "speculate", conflicts_with_all = ["chat", "serve"])]
+    pub draft_plugin: Option<PathBuf>,
     /// Prompt tokens per pass over the weights (1..=4096; default 64, or 256 when trunk layers
     /// are read from disk on every pass and the memory allows): a streamed trunk is read once
     /// per chunk; each token of a chunk holds working memory (printed with the decode state and
@@ -344,6 +354,7 @@ pub fn memory_settings(
         io,
         trace_experts: m.dump_cache_trace.is_some(),
         eviction_plugin: m.eviction_plugin.clone(),
+        plugin_options: m.plugin_opts.clone(),
         expert_prefetch: match m.expert_prefetch {
             Some(PrefetchArg(margin)) => margin,
             None => crate::session::MemorySettings::default().expert_prefetch,
@@ -363,6 +374,11 @@ pub fn memory_settings(
         return Err(Failure::usage(
             "--eviction-plugin and --expert-prefetch act on the expert cache: add --cache-gb \
              (or a --preset); without it the routed experts are resident",
+        ));
+    }
+    if !m.plugin_opts.is_empty() && m.eviction_plugin.is_none() && a.draft_plugin.is_none() {
+        return Err(Failure::usage(
+            "--plugin-opt configures a plugin: add --eviction-plugin or --draft-plugin",
         ));
     }
     if let Some(dir) = &settings.trunk_dir {

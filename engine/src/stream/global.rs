@@ -152,7 +152,7 @@ impl StreamedGlobal {
     /// the embedding row buffer and the small tensors.
     pub fn buffer_bytes(&self) -> u64 {
         let chunk = (self.chunk_rows * self.lm_head.cols * 2) as u64;
-        let realign = if self.lm_head.offset % 2 == 0 {
+        let realign = if self.lm_head.offset.is_multiple_of(2) {
             0
         } else {
             chunk

@@ -51,7 +51,7 @@ pub enum PlanError {
     #[error(
         "KV cache and recurrent state for {positions} positions need {} ({} per position x \
          {positions} + {} fixed, prompt-chunk working memory included), but only {} remain ({} memory limit minus {} already planned \
-         for trunk, expert cache and global tensors); shorten the request (prompt + --gen; \
+         for trunk, expert cache, global tensors and the embedding rows the request reads); shorten the request (prompt + --gen; \
          --max-context for --chat / --serve), decode fewer sequences together (--batch-ids, \
          --serve-batch), use smaller --prefill-chunk, or lower the budgets",
         fmt_bytes(*need), fmt_bytes(*per_position), fmt_bytes(*fixed),
@@ -655,20 +655,33 @@ mod tests {
 
     #[test]
     fn real_k3_laptop_budget_gets_a_shared_ring() {
-        // docs/DESIGN.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
-        // layers ~1.157 GB each. The laptop preset's 3.00 GB cannot pin layer 0 next to a slot
-        // or hold two 2.34 GB slots: one slot of layer 0's size. As a shared ring it holds any
-        // two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0) are read
-        // synchronously.
-        let mut sizes = vec![2_341_000_000u64];
-        sizes.extend(std::iter::repeat_n(1_157_000_000u64, 92));
+        // The release's trunk (`k3-run plan` of models/tests/data/kimi-k3-config.json): layer
+        // 0 KDA + dense MLP 2,341,213,184 B, KDA + MoE 1,267,744,256 B, MLA + MoE 844,335,616 B;
+        // MLA at layers 3, 7, ..., 91 and 92. The laptop preset's 3.00 GB cannot pin layer 0
+        // next to a slot or hold two 2.34 GB slots: one slot of layer 0's size.
+        let mut sizes = vec![2_341_213_184u64];
+        sizes.extend((1..93).map(|l| {
+            if l % 4 == 3 || l == 92 {
+                844_335_616u64
+            } else {
+                1_267_744_256
+            }
+        }));
         let p = plan_trunk(&sizes, 3_000_000_000, 2).expect("plan");
         assert_eq!((p.pinned_layers, p.ring_slots), (0, 1));
-        assert_eq!(p.ring_slot_bytes, align_up(2_341_000_000, K));
-        // Two 1.157 GB layers fit in layer 0's slot: the ring is that slot, no larger.
-        assert_eq!(p.shared_ring_bytes, p.ring_slot_bytes);
-        assert_eq!(p.planned_bytes(), p.ring_slot_bytes);
+        assert_eq!(p.ring_slot_bytes, align_up(2_341_213_184, K));
+        // Two KDA + MoE layers (2.54 GB) do not fit in layer 0's slot: the ring widens to
+        // that pair, and every layer but 0 and 1 (beside layer 0) is read ahead.
+        assert_eq!(p.shared_ring_bytes, align_up(2 * 1_267_744_256, K));
+        assert!(p.shared_ring_bytes > p.ring_slot_bytes);
+        assert_eq!(p.planned_bytes(), p.shared_ring_bytes);
         assert_eq!(p.read_ahead_layers, 91);
+        // At the ultra preset's 2.5 GB the ring stays one slot: only the 46 layers with an MLA
+        // layer beside the one before them are read ahead (45 KDA-after-KDA pairs and layers
+        // 0 and 1 are not).
+        let p = plan_trunk(&sizes, 2_500_000_000, 2).expect("plan");
+        assert_eq!(p.shared_ring_bytes, p.ring_slot_bytes);
+        assert_eq!(p.read_ahead_layers, 46);
         // Desktop (16 GB) keeps two uniform slots and pins a prefix.
         let p = plan_trunk(&sizes, 16_000_000_000, 2).expect("plan");
         assert_eq!((p.ring_slots, p.shared_ring_bytes), (2, 0));

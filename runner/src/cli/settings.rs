@@ -482,7 +482,14 @@ pub(crate) fn check_states_and_chunk(
     limit: Option<u64>,
 ) -> Result<String, Failure> {
     let check = |plan: &Plan| {
-        crate::session::check_states(plan, positions, sequences, session.planned_bytes, limit)
+        crate::session::check_states(
+            plan,
+            positions,
+            sequences,
+            session.planned_bytes,
+            session.mapped_embedding,
+            limit,
+        )
     };
     if a.prefill_chunk.is_none() && !session.trunk_in_ram {
         plan.prefill_chunk = STREAMED_PREFILL_CHUNK;

@@ -13,6 +13,7 @@ pub mod budget;
 pub mod chat;
 pub mod cli;
 pub mod digest;
+pub mod download;
 pub mod doctor;
 pub mod runconfig;
 pub mod verify;

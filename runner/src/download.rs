@@ -465,7 +465,9 @@ impl Fetch<'_> {
         );
         let what = e.path.as_str();
         // a blob a stopped run completed but did not move yet
-        let cached = Cache::new(self.work.to_path_buf()).repo(repo.clone()).get(what);
+        let cached = Cache::new(self.work.to_path_buf())
+            .repo(repo.clone())
+            .get(what);
         let pointer = match cached {
             Some(p) => p,
             None => {
@@ -474,35 +476,31 @@ impl Fetch<'_> {
                     "{msg:>24} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
                 ));
                 bar.set_message(short_name(what, 24));
-                let r = with_retries(
-                    self.retries,
-                    &|m| self.say(m),
-                    || {
-                        if self.abort.load(Ordering::Relaxed) {
-                            return Err(Fault {
-                                msg: format!("{what}: not fetched (stopped by another file's failure)"),
-                                transient: false,
-                            });
-                        }
-                        let progress = FileProgress {
-                            bar: bar.clone(),
-                            total: self.total.clone(),
-                            offset_next: false,
-                        };
-                        self.api
-                            .repo(repo.clone())
-                            .download_with_progress(what, progress)
-                            .map_err(|err| {
-                                if matches!(err, ApiError::InvalidResume)
-                                    && let Some(t) = e.etag()
-                                {
-                                    // a partial file longer than the file: start it again
-                                    let _ = std::fs::remove_file(self.part_path(t));
-                                }
-                                fault_of_api(&err, what)
-                            })
-                    },
-                );
+                let r = with_retries(self.retries, &|m| self.say(m), || {
+                    if self.abort.load(Ordering::Relaxed) {
+                        return Err(Fault {
+                            msg: format!("{what}: not fetched (stopped by another file's failure)"),
+                            transient: false,
+                        });
+                    }
+                    let progress = FileProgress {
+                        bar: bar.clone(),
+                        total: self.total.clone(),
+                        offset_next: false,
+                    };
+                    self.api
+                        .repo(repo.clone())
+                        .download_with_progress(what, progress)
+                        .map_err(|err| {
+                            if matches!(err, ApiError::InvalidResume)
+                                && let Some(t) = e.etag()
+                            {
+                                // a partial file longer than the file: start it again
+                                let _ = std::fs::remove_file(self.part_path(t));
+                            }
+                            fault_of_api(&err, what)
+                        })
+                });
                 bar.finish_and_clear();
                 self.mp.remove(&bar);
                 r?
@@ -520,7 +518,11 @@ impl Fetch<'_> {
             })?;
         }
         std::fs::rename(&blob, &dest).map_err(|err| Fault {
-            msg: format!("{what}: moving {} to {}: {err}", blob.display(), dest.display()),
+            msg: format!(
+                "{what}: moving {} to {}: {err}",
+                blob.display(),
+                dest.display()
+            ),
             transient: false,
         })?;
         let _ = std::fs::remove_file(&pointer);
@@ -538,9 +540,7 @@ impl Fetch<'_> {
 /// `WORK/models--OWNER--NAME/blobs/ETAG.part`: where hf-hub keeps a partial file.
 fn part_path(work: &Path, repo: &str, etag: &str) -> PathBuf {
     let folder = Repo::model(repo.to_string()).folder_name();
-    work.join(folder)
-        .join("blobs")
-        .join(format!("{etag}.part"))
+    work.join(folder).join("blobs").join(format!("{etag}.part"))
 }
 
 fn short_name(name: &str, max: usize) -> String {
@@ -955,9 +955,7 @@ mod tests {
 
     #[test]
     fn listing_refuses_paths_outside_the_directory() {
-        let v = |p: &str| {
-            json!({"sha": "abc123", "siblings": [{"rfilename": p, "size": 1, "blobId": "00"}]})
-        };
+        let v = |p: &str| json!({"sha": "abc123", "siblings": [{"rfilename": p, "size": 1, "blobId": "00"}]});
         assert!(parse_listing(&v("docs/guide.md")).is_ok());
         for bad in ["../x", "/etc/passwd", "a//b", "a/./b", ""] {
             assert!(parse_listing(&v(bad)).is_err(), "{bad:?}");

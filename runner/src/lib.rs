@@ -5,15 +5,15 @@
 //! `crate::exec`, `crate::stream` as before; nothing in the engine imports from here.
 
 pub use k3_engine::{
-    arena, bytes_bar, checkpoint, draft, exec, model, plan, plugins, resident, run, session, speculate,
-    statefile, stream, synth, weights,
+    arena, bytes_bar, checkpoint, draft, exec, model, plan, plugins, resident, run, session,
+    speculate, statefile, stream, synth, weights,
 };
 
 pub mod budget;
 pub mod chat;
 pub mod cli;
 pub mod digest;
-pub mod download;
 pub mod doctor;
+pub mod download;
 pub mod runconfig;
 pub mod verify;

@@ -535,7 +535,7 @@ fn too_little_disk_is_refused_before_any_file_is_requested() {
     std::fs::create_dir_all(&home).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_k3-run"))
         .args(["download", REPO, "--out", s(&dir)])
-        .args(&c_args)
+        .args(c_args)
         .env("HF_ENDPOINT", &hub.endpoint)
         .env("HF_HOME", &home)
         .env("K3RUN_DOWNLOAD_FREE_BYTES", &free)

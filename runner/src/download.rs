@@ -225,7 +225,7 @@ fn fault_of_api(e: &ApiError, what: &str) -> Fault {
 
 /// Wait before attempt `attempt` (1, 2, ...): 0.5 s doubling, at most 30 s.
 fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis(500u64.saturating_mul(1 << attempt.min(6).saturating_sub(1)))
+    Duration::from_millis(500u64.saturating_mul(1 << attempt.min(8).saturating_sub(1)))
         .min(Duration::from_secs(30))
 }
 

@@ -14,5 +14,6 @@ pub mod chat;
 pub mod cli;
 pub mod digest;
 pub mod doctor;
+pub mod download;
 pub mod runconfig;
 pub mod verify;

@@ -169,13 +169,19 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, Published>, String> {
         }
     }
     for name in out.keys() {
-        if !checkpoint::is_plain_file_name(name) {
+        if !is_relative_file_path(name) {
             return Err(bad(format!(
-                "{name:?} is not a plain file name in the checkpoint directory"
+                "{name:?} is not a file name or a relative path inside the checkpoint directory"
             )));
         }
     }
     Ok(out)
+}
+
+/// A listing's path of a file inside the checkpoint directory: plain file names joined by `/`
+/// (a repository's `docs/guide.md`), none of them empty, `.` or `..`.
+pub fn is_relative_file_path(name: &str) -> bool {
+    name.split('/').all(checkpoint::is_plain_file_name)
 }
 
 /// The content digest of one tree-listing entry: `lfs.oid` (SHA-256) when the file is in LFS,

@@ -83,6 +83,9 @@ pub enum Command {
     /// Classify every tensor (routed expert, shared expert, attention, embedding, other) and
     /// print the resident floor.
     Budget(crate::budget::BudgetArgs),
+    /// Fetch a model repository from the Hugging Face hub into a directory (resumable), then
+    /// verify it.
+    Download(crate::download::DownloadArgs),
 }
 
 /// Levenshtein distance of two short words (subcommand names).
@@ -208,6 +211,7 @@ pub fn main() -> ExitCode {
         Some(Command::Plugins(p)) => plugins_cmd::main(p),
         Some(Command::Verify(v)) => crate::verify::main(v),
         Some(Command::Budget(b)) => crate::budget::main(b),
+        Some(Command::Download(d)) => crate::download::main(d),
         None => run_main(&cli.run),
     };
     match r {

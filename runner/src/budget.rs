@@ -510,9 +510,16 @@ pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
     for p in &b.problems {
         eprintln!("k3-run: budget: {p}");
     }
+    let source = if dir.join(INDEX_FILE).exists() {
+        format!(" as {} lists it", dir.join(INDEX_FILE).display())
+    } else if dir.join(SINGLE_FILE).exists() {
+        format!(" in {}", dir.join(SINGLE_FILE).display())
+    } else {
+        String::new()
+    };
     eprintln!(
-        "k3-run: budget: the checkpoint is not the manifest's model (the engine would refuse \
-         it); the floor above counts what is there"
+        "k3-run: budget: the checkpoint{source} is not the manifest's model (the engine would \
+         refuse it); the floor above counts what is there"
     );
     Ok(crate::verify::MISMATCH)
 }

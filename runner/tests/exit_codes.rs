@@ -1,7 +1,8 @@
 //! One mapping of failures to exit codes for every subcommand (docs/DESIGN.md §6), black box:
 //! a checkpoint whose files cannot be read exits 1, naming the file, from every subcommand that
-//! reads them: a run, `pack-trunk`, `pack-trunk --check`, `budget` and `verify`. `plan` reads no
-//! weights (only config.json and the manifest) and still prints the plan.
+//! reads them: a run (resident, on a packed trunk, `--batch-ids`, `--chat`, `--serve`),
+//! `pack-trunk`, `pack-trunk --check`, `budget` and `verify`. `plan` reads no tensor data (only
+//! config.json, the manifest and the headers that open) and still prints the plan.
 //!
 //! Cases: a shard cut short by 100 bytes; an index whose `weight_map` is not an object; an
 //! index whose `weight_map` names no shard.
@@ -12,9 +13,38 @@
 mod bin_support;
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use bin_support::{code, fresh_dir, k3, s, stderr, synth_tiny};
+
+/// Runs `k3-run args` with stdin empty; a process still running after 120 s (a server that
+/// kept listening, a REPL waiting) is killed and fails the test.
+fn k3_deadline(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3-run"))
+        .args(args)
+        .env_remove("K3_ISA")
+        .env_remove("K3_PIN_SYNC")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn k3-run");
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(120) {
+            child.kill().ok();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "`k3-run {}` still running after 120 s: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
 
 /// Exit code of a checkpoint that cannot be read (docs/DESIGN.md §6).
 const CHECKPOINT_UNREADABLE: i32 = 1;
@@ -76,6 +106,24 @@ fn readers(root: &Path, ck: &Path, trunk: &Path) -> Vec<(&'static str, Vec<Strin
                 &out,
             ]),
         ),
+        (
+            "run --batch-ids",
+            v(&[
+                &ck,
+                "--batch-ids",
+                "1,2;3",
+                "--gen",
+                "2",
+                "--incremental",
+                "--out",
+                &out,
+            ]),
+        ),
+        ("run --chat", v(&[&ck, "--chat", "--gen", "2"])),
+        (
+            "run --serve",
+            v(&[&ck, "--serve", "127.0.0.1:0", "--gen", "2"]),
+        ),
         ("pack-trunk", v(&["pack-trunk", &ck, &new_trunk])),
         (
             "pack-trunk --check",
@@ -92,7 +140,7 @@ fn assert_every_reader_fails_alike(root: &Path, ck: &Path, trunk: &Path, file: &
     let mut seen = Vec::new();
     for (label, args) in readers(root, ck, trunk) {
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let o = k3(&argv);
+        let o = k3_deadline(&argv);
         let text = all_output(&o);
         seen.push(format!("{label}: exit {:?}", o.status.code()));
         assert_eq!(

@@ -8,8 +8,9 @@
 //! sequential order, at queue depth 1 and 16, over a test file written where the model or the
 //! trunk will live (`--dir`, else the `--trunk` directory, else `--model`; never the current
 //! directory by default), announced with its size and place before it is written, and unlinked
-//! as soon as it is created, so that no exit leaves it behind; or over an existing `--file`), the DRAM streaming-read bandwidth (all threads and one thread, a
-//! buffer far larger than the caches), the exact next commands, and `--json` with every figure
+//! as soon as it is created, so that no exit leaves it behind; or over an existing `--file`),
+//! the DRAM streaming-read bandwidth (all threads and one thread, a buffer far larger than the
+//! caches), the exact next commands, and `--json` with every figure
 //! (the benchmark scripts in `bench/` read it to compute the I/O and memory floors).
 //! Must not: touch any model file, keep the test file, or measure through the page cache
 //! (buffered reads of a file just written measure RAM, not the disk: the disk part refuses
@@ -25,7 +26,8 @@
 //! Exit codes of `k3-run doctor`: 0 the machine can run real K3 (a preset was chosen and every
 //! measurement asked for was made); 1 it cannot (less than 10 GB available); 2 usage error or
 //! a measurement could not be made (a bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
-//! refused); 5 stopped by Ctrl-C (the test file is removed first).
+//! refused); 5 stopped by Ctrl-C. No disk named (no `--dir`, `--trunk`, `--model` or `--file`)
+//! is not a failed measurement: the disk line says which flag to give.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -453,8 +455,6 @@ pub struct DramReport {
     pub reference_gb_per_s: f64,
 }
 
-/// Removes the test file when dropped (also on error paths and after Ctrl-C).
-
 fn statfs(path: &Path) -> Result<libc::statfs, String> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
@@ -486,11 +486,10 @@ fn fill_random(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Write the test file with O_DIRECT (sequential, `block`-sized writes), fdatasync it, and
-/// return the write bandwidth in MB/s.
 /// Create the test file at `path`, remove its name at once (the open descriptor keeps the file
 /// until it is closed, so no exit, not even a kill, leaves it behind), and write `n_blocks`
-/// blocks. Returns the open file and the write rate in MB/s.
+/// blocks with O_DIRECT (sequential, `block`-sized writes), then fdatasync it. Returns the open
+/// file and the write rate in MB/s.
 fn write_test_file(
     path: &Path,
     n_blocks: usize,

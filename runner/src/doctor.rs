@@ -678,6 +678,16 @@ fn measure_disk(
         }
         None => {
             let n = ((a.size_gb * 1e9) as u64 / block as u64) as usize;
+            if n < 2 * qd_max {
+                // refused before anything is written
+                return Err(format!(
+                    "a {} GB test file holds only {n} reads of {} KiB; the test needs at least \
+                     {} (2 x the largest queue depth): raise --size-gb",
+                    a.size_gb,
+                    a.block_kib,
+                    2 * qd_max
+                ));
+            }
             let file_bytes = (n * block) as u64;
             let free = st.f_bavail * st.f_bsize as u64;
             if free < file_bytes + (1 << 30) {

@@ -2,7 +2,8 @@
 //! `--trunk` or `--model` nothing is written (not into the current directory either) and the
 //! output names the flags; with `--trunk` the probe goes to that directory's disk (its nearest
 //! existing parent before it is packed), announced with its size and place before it is
-//! written; no test file is left behind after a finished run, and none is visible while the
+//! written; a file too small for the queue depths is refused before anything is written; no
+//! test file is left behind after a finished run, and none is visible while the
 //! probe runs nor after the process is killed in the middle of it.
 //!
 //! Owns: where the probe writes and that it cleans up. Must not: write more than a few MB.
@@ -162,4 +163,29 @@ fn a_killed_probe_leaves_no_test_file() {
     if !running {
         eprintln!("note: doctor finished within 300 ms; the kill came after it");
     }
+}
+
+#[test]
+fn a_test_file_too_small_for_the_queue_depths_is_refused_before_writing() {
+    let dir = fresh_dir("doctor_probe_small");
+    let o = doctor_in(
+        &dir,
+        &[
+            "--no-dram",
+            "--dir",
+            s(&dir),
+            "--size-gb",
+            "0.01",
+            "--qd",
+            "1,16",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(code(&o), 2, "a measurement asked for was not made:\n{out}");
+    assert!(
+        out.contains("NOT MEASURED") && out.contains("raise --size-gb"),
+        "{out}"
+    );
+    assert!(!out.contains("writing a"), "nothing is written:\n{out}");
+    assert!(listing(&dir).is_empty(), "{:?}", listing(&dir));
 }

@@ -5,9 +5,12 @@
 //! (`MemAvailable`, the cgroup limit, transparent huge pages) and the preset that follows from
 //! it, the disk measured the way the engine reads it (large `O_DIRECT` reads, 8 MiB and
 //! 4096-aligned by default, into 2 MiB-page buffers like the trunk's, in random and in
-//! sequential order, at queue depth 1 and 16, over a test file written under `--dir` and
-//! deleted afterwards, or over an existing `--file`), the DRAM streaming-read bandwidth (all threads and one thread, a
-//! buffer far larger than the caches), the exact next commands, and `--json` with every figure
+//! sequential order, at queue depth 1 and 16, over a test file written where the model or the
+//! trunk will live (`--dir`, else the `--trunk` directory, else `--model`; never the current
+//! directory by default), announced with its size and place before it is written, and unlinked
+//! as soon as it is created, so that no exit leaves it behind; or over an existing `--file`),
+//! the DRAM streaming-read bandwidth (all threads and one thread, a buffer far larger than the
+//! caches), the exact next commands, and `--json` with every figure
 //! (the benchmark scripts in `bench/` read it to compute the I/O and memory floors).
 //! Must not: touch any model file, keep the test file, or measure through the page cache
 //! (buffered reads of a file just written measure RAM, not the disk: the disk part refuses
@@ -22,10 +25,12 @@
 //!
 //! Exit codes of `k3-run doctor`: 0 the machine can run real K3 (a preset was chosen and every
 //! measurement asked for was made); 1 it cannot (less than 10 GB available); 2 usage error or
-//! a measurement could not be made (bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
-//! refused); 5 stopped by Ctrl-C (the test file is removed first).
+//! a measurement could not be made (a bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
+//! refused); 5 stopped by Ctrl-C. No disk named (no `--dir`, `--trunk`, `--model` or `--file`)
+//! is not a failed measurement: the disk line says which flag to give.
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -58,10 +63,13 @@ pub const MIN_LAPTOP_GB: f64 = 10.0;
 /// Flags of `k3-run doctor`.
 #[derive(Args, Debug, Clone)]
 pub struct DoctorArgs {
-    /// Directory on the disk to measure (the packed trunk's disk; not tmpfs). A test file is
-    /// written there and deleted afterwards.
-    #[arg(long, default_value = ".")]
-    pub dir: PathBuf,
+    /// Directory on the disk to measure (the packed trunk's disk; not tmpfs). A `--size-gb`
+    /// test file is written there, read back and removed (its name is unlinked as soon as it
+    /// is created, so no exit leaves it behind). Default: the `--trunk` directory (its nearest
+    /// existing parent), else the `--model` directory; without any of them the disk is not
+    /// measured and doctor says which flag to give.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
     /// Size of the test file in GB (fractions allowed). Larger than any device or host cache
     /// gives honest figures; every read size is one pass over the file at most.
     #[arg(long, default_value_t = 4.0)]
@@ -111,6 +119,26 @@ pub struct DoctorArgs {
     /// Write every figure as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// Where the disk test file goes: `--dir`, else the `--trunk` directory (or, before it is
+/// packed, its nearest existing parent), else the `--model` directory; with the flag it came
+/// from. `None`: no directory was named (the disk is not measured; the current directory is
+/// never assumed).
+pub fn probe_dir(a: &DoctorArgs) -> Option<(PathBuf, &'static str)> {
+    if let Some(d) = &a.dir {
+        return Some((d.clone(), "--dir"));
+    }
+    if let Some(t) = &a.trunk {
+        let existing = t.ancestors().find(|p| p.is_dir()).map(Path::to_path_buf);
+        let existing = match existing {
+            Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
+            Some(p) => p,
+            None => PathBuf::from("."),
+        };
+        return Some((existing, "--trunk"));
+    }
+    a.model.as_ref().map(|m| (m.clone(), "--model"))
 }
 
 /// The order of the blocks a read measurement visits.
@@ -427,15 +455,6 @@ pub struct DramReport {
     pub reference_gb_per_s: f64,
 }
 
-/// Removes the test file when dropped (also on error paths and after Ctrl-C).
-struct TestFile(PathBuf);
-
-impl Drop for TestFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 fn statfs(path: &Path) -> Result<libc::statfs, String> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
@@ -467,15 +486,18 @@ fn fill_random(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Write the test file with O_DIRECT (sequential, `block`-sized writes), fdatasync it, and
-/// return the write bandwidth in MB/s.
+/// Create the test file at `path`, remove its name at once (the open descriptor keeps the file
+/// until it is closed, so no exit, not even a kill, leaves it behind), and write `n_blocks`
+/// blocks with O_DIRECT (sequential, `block`-sized writes), then fdatasync it. Returns the open
+/// file and the write rate in MB/s.
 fn write_test_file(
     path: &Path,
     n_blocks: usize,
     block: usize,
     stop: &AtomicBool,
-) -> Result<f64, String> {
+) -> Result<(std::fs::File, f64), String> {
     let mut f = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .create_new(true)
         .custom_flags(libc::O_DIRECT)
@@ -487,6 +509,12 @@ fn write_test_file(
                 path.display()
             )
         })?;
+    std::fs::remove_file(path).map_err(|e| {
+        format!(
+            "cannot remove the name of the test file {} right after creating it: {e}",
+            path.display()
+        )
+    })?;
     let mut buf = AlignedBuf::new(block).map_err(|e| format!("test buffer: {e}"))?;
     fill_random(buf.as_mut_slice(), 0x6b33_646f_6374_6f72);
     let t0 = Instant::now();
@@ -504,7 +532,7 @@ fn write_test_file(
     f.sync_data()
         .map_err(|e| format!("fdatasync of the test file {}: {e}", path.display()))?;
     let secs = t0.elapsed().as_secs_f64();
-    Ok((n_blocks * block) as f64 / 1e6 / secs.max(1e-9))
+    Ok((f, (n_blocks * block) as f64 / 1e6 / secs.max(1e-9)))
 }
 
 /// Random `block`-sized O_DIRECT reads at queue depth `qd` (qd threads, one blocking pread
@@ -595,17 +623,22 @@ fn read_at_qd(
     })
 }
 
-fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String> {
-    let target = a.file.as_deref().unwrap_or(&a.dir);
+fn measure_disk(
+    a: &DoctorArgs,
+    dir: &Path,
+    from: &str,
+    stop: &AtomicBool,
+) -> Result<DiskReport, String> {
+    let target = a.file.as_deref().unwrap_or(dir);
     let target = std::fs::canonicalize(target).map_err(|e| {
         format!(
             "{} {}: {e}",
-            if a.file.is_some() { "--file" } else { "--dir" },
+            if a.file.is_some() { "--file" } else { from },
             target.display()
         )
     })?;
     if a.file.is_none() && !target.is_dir() {
-        return Err(format!("--dir {} is not a directory", target.display()));
+        return Err(format!("{from} {} is not a directory", target.display()));
     }
     if a.file.is_some() && !target.is_file() {
         return Err(format!("--file {} is not a regular file", target.display()));
@@ -645,6 +678,16 @@ fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String>
         }
         None => {
             let n = ((a.size_gb * 1e9) as u64 / block as u64) as usize;
+            if n < 2 * qd_max {
+                // refused before anything is written
+                return Err(format!(
+                    "a {} GB test file holds only {n} reads of {} KiB; the test needs at least \
+                     {} (2 x the largest queue depth): raise --size-gb",
+                    a.size_gb,
+                    a.block_kib,
+                    2 * qd_max
+                ));
+            }
             let file_bytes = (n * block) as u64;
             let free = st.f_bavail * st.f_bsize as u64;
             if free < file_bytes + (1 << 30) {
@@ -656,10 +699,19 @@ fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String>
                     file_bytes as f64 / 1e9
                 ));
             }
+            println!(
+                "disk       writing a {:.2} GB test file in {} (the {from} directory's disk; \
+                 {:.2} GB free there), reading it back and removing it (--no-disk skips this) ...",
+                file_bytes as f64 / 1e9,
+                target.display(),
+                free as f64 / 1e9
+            );
+            let _ = std::io::stdout().flush();
             let path = target.join(format!(".k3-doctor-{}.tmp", std::process::id()));
-            let guard = TestFile(path.clone());
-            let w = write_test_file(&path, n, block, stop)?;
-            (path, Some(guard), n, w)
+            let (file, w) = write_test_file(&path, n, block, stop)?;
+            // the name is gone already: read the open file through its descriptor
+            let fd_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            (fd_path, Some(file), n, w)
         }
     };
     if n_blocks < 2 * qd_max {
@@ -986,21 +1038,29 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     }
 
     // disk
+    let probe = probe_dir(a);
     let disk = if a.no_disk {
         None
+    } else if a.file.is_none() && probe.is_none() {
+        println!(
+            "disk       not measured: name the disk that will hold the packed trunk and the \
+             checkpoint: --dir DIR (or --trunk DIR / --model DIR); a {:.2} GB test file \
+             (--size-gb) is written there, read back and removed. --file trunk.bin reads an \
+             existing file instead; --no-disk skips this line",
+            a.size_gb
+        );
+        None
     } else {
-        match &a.file {
-            Some(f) => println!(
+        if let Some(f) = &a.file {
+            println!(
                 "disk       reading {} (existing file, read only) ...",
                 f.display()
-            ),
-            None => println!(
-                "disk       writing a {:.2} GB test file under {} ...",
-                a.size_gb,
-                a.dir.display()
-            ),
+            );
         }
-        match measure_disk(a, &stop) {
+        let (dir, from) = probe
+            .clone()
+            .unwrap_or_else(|| (PathBuf::from("."), "--dir"));
+        match measure_disk(a, &dir, from, &stop) {
             Ok(d) => {
                 if d.test_file_written {
                     println!(
@@ -1104,15 +1164,12 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         .unwrap_or_else(|| "~/k3model".into());
     // A --dir in RAM (tmpfs, ramfs) was refused above: the trunk is not suggested there.
     #[allow(clippy::unnecessary_cast)] // `f_type` is not i64 on every target
-    let dir_in_ram = statfs(&a.dir).is_ok_and(|st| fs_is_ram(st.f_type as i64));
-    let trunk_dir = a.trunk.clone().unwrap_or_else(|| {
-        if dir_in_ram {
-            PathBuf::from("/path/on/a/local/disk/k3trunk")
-        } else {
-            std::fs::canonicalize(&a.dir)
-                .unwrap_or_else(|_| a.dir.clone())
-                .join("k3trunk")
-        }
+    let dir_in_ram = |d: &Path| statfs(d).is_ok_and(|st| fs_is_ram(st.f_type as i64));
+    let trunk_dir = a.trunk.clone().unwrap_or_else(|| match &probe {
+        Some((d, _)) if !dir_in_ram(d) => std::fs::canonicalize(d)
+            .unwrap_or_else(|_| d.clone())
+            .join("k3trunk"),
+        _ => PathBuf::from("/path/on/a/local/disk/k3trunk"),
     });
     let trunk = shell_path(&trunk_dir);
     let mut next = Vec::new();
@@ -1190,6 +1247,40 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser)]
+    struct DoctorCli {
+        #[command(flatten)]
+        a: DoctorArgs,
+    }
+
+    fn doctor_args(argv: &[&str]) -> DoctorArgs {
+        use clap::Parser;
+        DoctorCli::parse_from(std::iter::once("doctor").chain(argv.iter().copied())).a
+    }
+
+    #[test]
+    fn the_probe_goes_where_the_trunk_or_model_will_live_never_to_the_cwd_by_default() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path().to_str().unwrap();
+        let not_yet = format!("{t}/a/b/k3trunk");
+        assert_eq!(probe_dir(&doctor_args(&[])), None);
+        assert_eq!(
+            probe_dir(&doctor_args(&[
+                "--dir", "/x", "--trunk", t, "--model", "/m"
+            ])),
+            Some((PathBuf::from("/x"), "--dir"))
+        );
+        assert_eq!(
+            probe_dir(&doctor_args(&["--trunk", &not_yet, "--model", "/m"])),
+            Some((tmp.path().to_path_buf(), "--trunk")),
+            "a trunk not packed yet: its nearest existing parent"
+        );
+        assert_eq!(
+            probe_dir(&doctor_args(&["--model", "/m"])),
+            Some((PathBuf::from("/m"), "--model"))
+        );
+    }
 
     const GB: u64 = 1_000_000_000;
 

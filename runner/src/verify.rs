@@ -35,8 +35,8 @@ use crate::cli::{Failure, exit};
 use crate::digest::{self, Digest};
 
 /// Exit code of a check that found a mismatch (docs/DESIGN.md §6 code 1: the files are not the
-/// model's).
-pub const MISMATCH: u8 = 1;
+/// model's; the same code as a run that cannot bind them).
+pub const MISMATCH: u8 = exit::MISMATCH;
 
 /// Published numbers of a release that are known for certain.
 #[derive(Clone, Copy, Debug)]
@@ -355,8 +355,11 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     }
     let index_path = dir.join(INDEX_FILE);
     let (index, meta_total) = if index_path.is_file() {
-        let (map, total) = checkpoint::read_index_with_total(&index_path)
-            .map_err(|e| Failure::usage(format!("cannot read the index: {e}")))?;
+        let (map, total) = checkpoint::read_index_with_total(&index_path).map_err(|e| {
+            crate::cli::checkpoint_failure(format!(
+                "cannot read the index: {e}; fetch {INDEX_FILE} again"
+            ))
+        })?;
         (Some(map), total)
     } else if dir.join(SINGLE_FILE).exists() {
         (None, None)
@@ -385,8 +388,8 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     let n_tensors = index.as_ref().map_or(0, checkpoint::IndexMap::len);
     let n_shards = by_file.len();
     if n_shards == 0 {
-        return Err(Failure::usage(format!(
-            "{}: the weight_map names no shard",
+        return Err(crate::cli::checkpoint_failure(format!(
+            "{}: the weight_map names no shard; fetch {INDEX_FILE} again",
             index_path.display()
         )));
     }

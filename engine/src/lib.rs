@@ -24,6 +24,8 @@ pub mod draft;
 #[allow(missing_docs)]
 pub mod exec;
 #[allow(missing_docs)]
+pub mod machine;
+#[allow(missing_docs)]
 pub mod model;
 #[allow(missing_docs)]
 pub mod plan;

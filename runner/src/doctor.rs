@@ -40,6 +40,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::cli::{Failure, exit};
+use crate::machine::MemInfo;
 use crate::stream::aligned::{AlignedBuf, IO_ALIGN};
 use crate::stream::direct::DirectFile;
 
@@ -173,40 +174,6 @@ pub fn next_preset(available_bytes: u64) -> Option<(&'static str, f64)> {
         .map(|(min, name)| (*name, *min))
 }
 
-/// The fields of /proc/meminfo the doctor uses, in bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct MemInfo {
-    pub total: u64,
-    pub available: u64,
-    pub huge_page_size: u64,
-    /// Pages of the reserved huge-page pool (`vm.nr_hugepages`): total and free.
-    pub huge_pages_total: u64,
-    pub huge_pages_free: u64,
-}
-
-/// Parse /proc/meminfo text; `None` without `MemTotal` or `MemAvailable` (kernels < 3.14).
-pub fn parse_meminfo(text: &str) -> Option<MemInfo> {
-    let field = |key: &str| -> Option<u64> {
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
-            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            Some(kb * 1024)
-        })
-    };
-    let count = |key: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    Some(MemInfo {
-        total: field("MemTotal")?,
-        available: field("MemAvailable")?,
-        huge_page_size: field("Hugepagesize").unwrap_or(0),
-        huge_pages_total: count("HugePages_Total"),
-        huge_pages_free: count("HugePages_Free"),
-    })
-}
-
 /// Whether a virtio balloon device is bound (a VM that may hand freed memory to its host).
 fn balloon_present() -> bool {
     std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon")
@@ -293,24 +260,6 @@ pub fn page_reporting_line(balloon: bool, reporting: Option<(u32, Option<u64>)>)
          huge pages for the buffers (`sudo sysctl vm.nr_hugepages=N`, 2 MiB each); `--io \
          page-cache` lets the next run find the prefix cached (docs/STREAMING.md)"
     ))
-}
-
-/// The memory cgroup of this process from /proc/self/cgroup text: (v2 path, v1 memory path).
-pub fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
-    let mut v2 = None;
-    let mut v1 = None;
-    for l in text.lines() {
-        let mut it = l.splitn(3, ':');
-        let (Some(id), Some(ctrl), Some(path)) = (it.next(), it.next(), it.next()) else {
-            continue;
-        };
-        if id == "0" && ctrl.is_empty() {
-            v2 = Some(path.to_string());
-        } else if ctrl.split(',').any(|c| c == "memory") {
-            v1 = Some(path.to_string());
-        }
-    }
-    (v2, v1)
 }
 
 /// `(major, minor, patch)` from `rustc 1.95.0 (abc 2026-01-01)` or `cargo 1.95.0 (...)`.
@@ -837,44 +786,6 @@ fn tool_version(tool: &str) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// Cgroup memory headroom (limit - usage) in bytes, if this process is under a limit.
-fn cgroup_headroom() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (v2, v1) = parse_proc_cgroup(&text);
-    let read = |p: PathBuf| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
-    if let Some(p) = v1 {
-        let dir = Path::new("/sys/fs/cgroup/memory").join(p.trim_start_matches('/'));
-        if let (Some(lim), Some(used)) = (
-            read(dir.join("memory.limit_in_bytes")),
-            read(dir.join("memory.usage_in_bytes")),
-        ) && lim < (1u64 << 60)
-        {
-            return Some((lim, lim.saturating_sub(used)));
-        }
-    }
-    if let Some(p) = v2 {
-        let dir = Path::new("/sys/fs/cgroup").join(p.trim_start_matches('/'));
-        if let (Some(lim), Some(used)) = (
-            read(dir.join("memory.max")),
-            read(dir.join("memory.current")),
-        ) {
-            return Some((lim, lim.saturating_sub(used)));
-        }
-    }
-    None
-}
-
-fn thp_mode() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .ok()
-        .and_then(|t| {
-            let t = t.trim();
-            let (_, rest) = t.split_once('[')?;
-            Some(rest.split(']').next()?.to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn gb(b: u64) -> String {
     format!("{:.2} GB", b as f64 / 1e9)
 }
@@ -967,11 +878,12 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     );
 
     // memory and preset
-    let meminfo = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| parse_meminfo(&t));
-    let cg = cgroup_headroom();
-    let thp = thp_mode();
+    let meminfo = crate::machine::meminfo();
+    // (limit, headroom) of the binding memory cgroup: the one a run's memory check uses
+    let cg = crate::machine::memory_limit()
+        .cgroup
+        .map(|c| (c.limit_bytes, c.headroom()));
+    let thp = crate::machine::transparent_huge_pages();
     let available = match (meminfo.map(|m| m.available), cg.map(|c| c.1)) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
@@ -1309,21 +1221,6 @@ mod tests {
     }
 
     #[test]
-    fn meminfo_parses_available_not_free() {
-        let t = "MemTotal:       24684084 kB\nMemFree:         1561916 kB\n\
-                 MemAvailable:   23231456 kB\nHugepagesize:       2048 kB\n";
-        let m = parse_meminfo(t).expect("parses");
-        assert_eq!(m.total, 24_684_084 * 1024);
-        assert_eq!(m.available, 23_231_456 * 1024);
-        assert_eq!(m.huge_page_size, 2 << 20);
-        assert_eq!((m.huge_pages_total, m.huge_pages_free), (0, 0));
-        assert_eq!(parse_meminfo("MemTotal: 1 kB\nMemFree: 1 kB\n"), None);
-        let pool = format!("{t}HugePages_Total:    1400\nHugePages_Free:     1200\n");
-        let m = parse_meminfo(&pool).expect("parses");
-        assert_eq!((m.huge_pages_total, m.huge_pages_free), (1400, 1200));
-    }
-
-    #[test]
     fn reserved_pool_line_says_what_is_there() {
         let m = MemInfo {
             huge_page_size: 2 << 20,
@@ -1382,23 +1279,6 @@ mod tests {
         assert!(
             off.contains("stays with this VM") && !off.contains("echo"),
             "{off}"
-        );
-    }
-
-    #[test]
-    fn cgroup_lines() {
-        let t = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
-        assert_eq!(
-            parse_proc_cgroup(t),
-            (Some("/".into()), Some("/process_api/abc".into()))
-        );
-        assert_eq!(
-            parse_proc_cgroup("0::/user.slice/x.scope\n"),
-            (Some("/user.slice/x.scope".into()), None)
-        );
-        assert_eq!(
-            parse_proc_cgroup("3:cpu,memory:/a\n"),
-            (None, Some("/a".into()))
         );
     }
 

@@ -444,12 +444,12 @@ pub fn read_run_config(path: &Path) -> Result<toml::Table, ConfigError> {
         .parse()
         .map_err(|e| ConfigError(format!("run config {shown}: {e}")))?;
     check_keys(&table, &format!("run config {shown}"))?;
-    if let Some(v) = table.get("schema_version") {
-        if v.as_integer() != Some(i64::from(SCHEMA_VERSION)) {
-            return Err(ConfigError(format!(
-                "run config {shown}: schema_version = {v} but this build reads {SCHEMA_VERSION}"
-            )));
-        }
+    if let Some(v) = table.get("schema_version")
+        && v.as_integer() != Some(i64::from(SCHEMA_VERSION))
+    {
+        return Err(ConfigError(format!(
+            "run config {shown}: schema_version = {v} but this build reads {SCHEMA_VERSION}"
+        )));
     }
     Ok(table)
 }
@@ -575,13 +575,11 @@ pub fn layer(config: Option<&Path>, flags: Settings) -> Result<Layered, ConfigEr
     upper = upper.merge(env_layer()).merge(flags_layer);
     let extract_err = |e: figment::Error| ConfigError(describe(&e));
     // The preset first (it is named by an upper layer), then the whole stack.
-    let preset_value: Option<String> = upper
-        .extract_inner::<Option<String>>("preset")
-        .or_else(|e| match e.kind {
-            figment::error::Kind::MissingField(_) => Ok(None),
-            _ => Err(e),
-        })
-        .map_err(extract_err)?;
+    let preset_value: Option<String> = match upper.extract_inner::<Option<String>>("preset") {
+        Ok(v) => v,
+        Err(e) if matches!(e.kind, figment::error::Kind::MissingField(_)) => None,
+        Err(e) => return Err(extract_err(e)),
+    };
     let preset_base = |key: &str| source_dir(&upper, key).or_else(|| config_dir.clone());
     let mut figment = Figment::new().merge(Named {
         name: "default".into(),
@@ -871,7 +869,7 @@ mod tests {
         ];
         for (name, text, flag) in cases {
             let p = write(d.path(), name, text);
-            let e = read_run_config(&p).err().expect("refused").to_string();
+            let e = read_run_config(&p).expect_err("refused").to_string();
             assert!(e.contains(&format!("use `{flag} ")), "{name}: {e}");
         }
     }

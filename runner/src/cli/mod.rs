@@ -169,11 +169,11 @@ pub fn main() -> ExitCode {
     };
     // One layering of every run setting (runconfig.rs): defaults < preset < --config <
     // K3RUN_* < the flags given.
-    if cli.command.is_none() {
-        if let Err(f) = layering::layer_run(&mut cli.run, &matches) {
-            eprintln!("k3-run: error: {}", f.msg);
-            return ExitCode::from(f.code);
-        }
+    if cli.command.is_none()
+        && let Err(f) = layering::layer_run(&mut cli.run, &matches)
+    {
+        eprintln!("k3-run: error: {}", f.msg);
+        return ExitCode::from(f.code);
     }
     // K3_ISA naming an unknown or unavailable path is a usage error, not a silent fallback.
     if let Err(e) = k3_kernels::isa::env_override() {

@@ -237,10 +237,8 @@ pub fn memory_settings(
     use crate::stream::{gb_to_bytes, io_policy, presets};
     let m = &a.mem;
     let mut notes = Vec::new();
-    if let Some(c) = &a.config {
-        if let Ok(Some(_)) = super::layering::run_config_path(a) {
-            notes.push(format!("run config {}", c.display()));
-        }
+    if let (Some(c), Ok(Some(_))) = (&a.config, super::layering::run_config_path(a)) {
+        notes.push(format!("run config {}", c.display()));
     }
     let preset = match &m.preset {
         Some(p) => Some(presets::load_preset(p).map_err(|e| Failure::usage(e.to_string()))?),

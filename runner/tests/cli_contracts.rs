@@ -257,7 +257,7 @@ fn preset_ultra_without_trunk_names_what_it_does_not_apply() {
     ] {
         assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
     }
-    assert!(err.contains("embedding + lm_head: resident"), "{err}");
+    assert!(err.contains("embedding + lm_head: memory-mapped"), "{err}");
     // the expert cache named as applied is the one in effect: a later --cache-gb's
     let (err, ids_cache) = run(&["--preset", "ultra", "--cache-gb", "0.002"]);
     assert!(err.contains("only the expert cache (0.002 GB) is"), "{err}");

@@ -527,6 +527,7 @@ pub struct Layered {
 /// The environment layer: `K3RUN_<KEY>` for every key (sections joined by `__`).
 fn env_layer() -> Env {
     Env::prefixed("K3RUN_").map(|k| {
+        let k = k.as_str().to_ascii_lowercase();
         let k = k.as_str();
         match ENV_ALIASES.iter().find(|(a, _)| *a == k) {
             Some((_, to)) => (*to).into(),

@@ -107,7 +107,7 @@ fn run_configs() -> Vec<PathBuf> {
 /// from the plan the CLI prints.
 fn model_bytes(model: &Path) -> (u64, u64, u64) {
     let (spec, _) = k3_run::cli::load_spec_files(model, None, None).expect("spec");
-    let plan = k3_run::plan::Plan::new(&spec, 16);
+    let plan = k3_engine::plan::Plan::new(&spec, 16);
     let largest = plan
         .layers
         .iter()
@@ -165,7 +165,7 @@ fn every_run_config_has_its_snapshot_and_all_give_the_same_tokens() {
             out.display().to_string(),
         ];
         if let Some(p) = &layered.settings.preset {
-            let p = k3_run::stream::presets::load_preset(p)
+            let p = k3_engine::stream::presets::load_preset(p)
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let t = (p.trunk_gb * 1e9 * trunk_bytes as f64 / REAL_K3_TRUNK_BYTES) as u64;
             let c = (p.cache_gb * 1e9 * expert_bytes as f64 / REAL_K3_EXPERT_BYTES) as u64;

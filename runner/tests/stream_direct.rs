@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use k3_run::stream::aligned::AlignedBuf;
-use k3_run::stream::direct::{DirectFile, ReadPool, ReadReq};
+use k3_engine::stream::aligned::AlignedBuf;
+use k3_engine::stream::direct::{DirectFile, ReadPool, ReadReq};
 
 fn pattern(i: u64) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8

@@ -5,12 +5,12 @@ mod stream_support;
 
 use std::os::unix::fs::FileExt;
 
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::resident::ResidentExperts;
+use k3_engine::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_engine::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
+use k3_engine::weights::{ExpertSource, ExpertWeights, WeightError};
 use k3_models::spec::{ModelSpec, TensorDecl, TensorRole};
-use k3_run::checkpoint::Checkpoint;
-use k3_run::resident::ResidentExperts;
-use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
-use k3_run::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
-use k3_run::weights::{ExpertSource, ExpertWeights, WeightError};
 use stream_support::*;
 
 fn cache<'c>(spec: &'c ModelSpec, ck: &Checkpoint, n_experts: u64) -> ExpertCache<'c> {
@@ -255,7 +255,7 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
 
 #[test]
 fn io_uring_pool_serves_the_same_experts() {
-    use k3_run::stream::direct::ReadPool;
+    use k3_engine::stream::direct::ReadPool;
     let (_, spec, ck) = tiny_opened("experts_uring", 26);
     let pool = ReadPool::with_io_uring(4).expect("pool");
     let mut c = ExpertCache::new_with_pool(&spec, &ck, &ExpertCacheOptions::default(), pool)

@@ -368,22 +368,22 @@ pub fn synth_chat_model() -> (
     tempfile::TempDir,
     PathBuf,
     k3_models::spec::ModelSpec,
-    k3_run::checkpoint::Checkpoint,
+    k3_engine::checkpoint::Checkpoint,
 ) {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = synth_model(dir.path());
     let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
-    let ckpt = k3_run::checkpoint::Checkpoint::open(&model, &spec).expect("checkpoint");
+    let ckpt = k3_engine::checkpoint::Checkpoint::open(&model, &spec).expect("checkpoint");
     (dir, model, spec, ckpt)
 }
 
 /// Resident providers of an open checkpoint.
 pub fn resident<'c>(
     spec: &'c k3_models::spec::ModelSpec,
-    ckpt: &'c k3_run::checkpoint::Checkpoint,
-) -> k3_run::exec::Providers<'c> {
-    use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
-    k3_run::exec::Providers {
+    ckpt: &'c k3_engine::checkpoint::Checkpoint,
+) -> k3_engine::exec::Providers<'c> {
+    use k3_engine::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+    k3_engine::exec::Providers {
         trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
         experts: Box::new(ResidentExperts::new(spec, ckpt)),
         global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("globals")),

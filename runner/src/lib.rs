@@ -5,7 +5,7 @@
 //! `crate::exec`, `crate::stream` as before; nothing in the engine imports from here.
 
 pub use k3_engine::{
-    arena, bytes_bar, checkpoint, draft, exec, machine, model, plan, plugins, resident, run,
+    arena, bytes_bar, checkpoint, draft, exec, model, plan, platform, plugins, resident, run,
     session, speculate, statefile, stream, synth, weights,
 };
 

@@ -592,7 +592,7 @@ pub(crate) fn load_model<'c>(
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::machine::memory_limit();
+    let mem_limit = crate::platform::memory::memory_limit();
     let session = crate::session::build_with(spec, ckpt, &plan, settings, resident_mode(&a.mem)?)
         .map_err(stream_failure)?;
     eprintln!("memory plan:");

@@ -201,6 +201,10 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     let state_line =
         check_states_and_chunk(a, &mut plan, &session, (positions, 1), mem_limit.bytes())?;
     eprintln!("  {state_line}");

@@ -600,6 +600,10 @@ pub(crate) fn load_model<'c>(
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     // every sequence holds its own decode state
     let state_line = check_states_and_chunk(
         a,

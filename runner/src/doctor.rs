@@ -1013,7 +1013,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
             Ok(d) => {
                 if d.test_file_written {
                     println!(
-                        "disk       {} ({} on {}): {} written at {:.0} MB/s (sequential O_DIRECT), then removed",
+                        "disk       {} ({} on {}): {} written at {:.0} MB/s (sequential {UNCACHED}), then removed",
                         d.dir,
                         d.filesystem,
                         d.device.as_deref().unwrap_or("?"),
@@ -1036,7 +1036,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
                 }
                 for r in &d.reads {
                     println!(
-                        "disk       {:<10} {} KiB O_DIRECT reads, queue depth {:>2}: {:>6.0} MB/s ({} reads in {:.2} s; latency median {:.2} ms, p99 {:.2} ms)",
+                        "disk       {:<10} {} KiB {UNCACHED} reads, queue depth {:>2}: {:>6.0} MB/s ({} reads in {:.2} s; latency median {:.2} ms, p99 {:.2} ms)",
                         match r.order {
                             ReadOrder::Random => "random",
                             ReadOrder::Sequential => "sequential",

@@ -529,8 +529,17 @@ impl ReadPool {
 mod tests {
     use super::*;
 
-    /// A file under target/ (not tmpfs) with known bytes.
-    fn sample(name: &str, len: usize) -> (PathBuf, Vec<u8>) {
+    /// A scratch directory removed on drop.
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A file under target/ (not tmpfs) with known bytes; the directory goes with the guard.
+    fn sample(name: &str, len: usize) -> (PathBuf, Vec<u8>, Scratch) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../target/platform-tests")
             .join(format!("direct-{name}-{}", std::process::id()));
@@ -538,7 +547,7 @@ mod tests {
         let data: Vec<u8> = (0..len as u32).map(|i| (i * 31 % 255) as u8).collect();
         let path = dir.join("f.bin");
         std::fs::write(&path, &data).expect("write");
-        (path, data)
+        (path, data, Scratch(dir))
     }
 
     fn einval() -> std::io::Error {
@@ -583,7 +592,7 @@ mod tests {
 
     #[test]
     fn a_refused_uncached_open_falls_back_to_buffered_reads_and_says_why() {
-        let (path, data) = sample("open", 200_000);
+        let (path, data, _scratch) = sample("open", 200_000);
         let f =
             DirectFile::open_with(&path, true, refuse_open, platform::read_at_least).expect("open");
         assert!(!f.is_direct());
@@ -595,7 +604,7 @@ mod tests {
 
     #[test]
     fn a_refused_uncached_read_falls_back_mid_run_with_the_same_bytes() {
-        let (path, data) = sample("read", 200_000);
+        let (path, data, _scratch) = sample("read", 200_000);
         let f = DirectFile::open_with(&path, true, open_any, refuse_after_probe).expect("open");
         assert!(f.is_direct(), "the probe at offset 0 was accepted");
         assert_eq!(f.fallback_reason(), None);
@@ -615,7 +624,7 @@ mod tests {
 
     #[test]
     fn a_refused_probe_falls_back_and_other_read_errors_are_errors() {
-        let (path, data) = sample("probe", 50_000);
+        let (path, data, _scratch) = sample("probe", 50_000);
         let f = DirectFile::open_with(&path, true, open_any, fail_hard).expect("open");
         assert!(!f.is_direct(), "a failed probe disables uncached reads");
         check_reads_small(&f, &data);
@@ -641,7 +650,7 @@ mod tests {
 
     #[test]
     fn the_real_uncached_path_reads_the_same_bytes_or_says_why_not() {
-        let (path, data) = sample("real", 300_000);
+        let (path, data, _scratch) = sample("real", 300_000);
         let f = DirectFile::open(&path, true).expect("open");
         if let Some(why) = f.fallback_reason() {
             assert!(why.contains(UNCACHED), "{why}");

@@ -378,6 +378,7 @@ fn a_mistyped_subcommand_is_named() {
 /// Output into a pipe whose reader is gone (`k3-run plan M | head -1` after `head` exits) ends
 /// the process by SIGPIPE, quietly, for a subcommand and for a run; before, `println!`
 /// panicked (exit 101, a backtrace on stderr).
+#[cfg(unix)] // SIGPIPE: Windows has none
 #[test]
 fn a_closed_stdout_pipe_ends_the_process_quietly() {
     use std::os::unix::process::ExitStatusExt;

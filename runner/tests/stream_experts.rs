@@ -3,8 +3,6 @@
 
 mod stream_support;
 
-use std::os::unix::fs::FileExt;
-
 use k3_engine::checkpoint::Checkpoint;
 use k3_engine::resident::ResidentExperts;
 use k3_engine::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
@@ -234,12 +232,12 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
     let (model, spec, ck) = tiny_opened("experts_e8m0", 25);
     let (_, scale_off, name) = expert_offsets(&ck, &spec, 4, 2);
     let shard = shard_of(&model, &name);
-    std::fs::OpenOptions::new()
+    let poke = std::fs::OpenOptions::new()
         .write(true)
         .open(&shard)
-        .expect("open shard")
-        .write_all_at(&[0xFF], scale_off + 5)
-        .expect("poke 0xFF");
+        .expect("open shard");
+    k3_engine::platform::write_all_at(&poke, &[0xFF], scale_off + 5).expect("poke 0xFF");
+    drop(poke);
     let mut c = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
     match c.experts(4, &[2]) {
         Err(WeightError::Expert { layer, expert, msg }) => {

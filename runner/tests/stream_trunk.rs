@@ -95,12 +95,11 @@ fn opts(budget: u64, ring: usize) -> TrunkOptions {
 
 /// Drop trunk.bin's pages from the page cache (written back first, so they are clean).
 fn evict(trunk: &std::path::Path) {
-    use std::os::fd::AsRawFd;
+    use k3_engine::platform::{FileAdvice, advise_file};
     let f = std::fs::File::open(trunk.join("trunk.bin")).expect("trunk.bin");
     f.sync_all().expect("sync");
-    // SAFETY: fadvise on an open descriptor; it only drops clean cached pages.
-    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
+    // Drops only clean cached pages (Linux posix_fadvise; the tests run on Linux).
+    advise_file(&f, FileAdvice::DontNeed { offset: 0, len: 0 }).expect("posix_fadvise(DONTNEED)");
 }
 
 #[test]

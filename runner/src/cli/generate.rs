@@ -123,7 +123,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.dump_prompt_logits.is_some() {
         // the rows are held until the run ends: refused up front if they would crowd it out
         let bytes = prompt.len() as u64 * spec.vocab_size as u64 * 4;
-        if let Some(limit) = crate::machine::memory_limit_bytes()
+        if let Some(limit) = crate::platform::memory::memory_limit_bytes()
             && bytes > limit / 4
         {
             return Err(Failure::usage(format!(
@@ -193,7 +193,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::machine::memory_limit();
+    let mem_limit = crate::platform::memory::memory_limit();
     let mut session =
         crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
             .map_err(stream_failure)?;
@@ -202,6 +202,10 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     let state_line =
         check_states_and_chunk(a, &mut plan, &session, (positions, 1), mem_limit.bytes())?;
     eprintln!("  {state_line}");

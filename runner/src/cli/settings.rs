@@ -616,7 +616,7 @@ pub(crate) fn load_model<'c>(
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::machine::memory_limit();
+    let mem_limit = crate::platform::memory::memory_limit();
     let session = crate::session::build_with(spec, ckpt, &plan, settings, resident_mode(&a.mem)?)
         .map_err(stream_failure)?;
     eprintln!("memory plan:");
@@ -624,6 +624,10 @@ pub(crate) fn load_model<'c>(
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     // every sequence holds its own decode state
     let state_line = check_states_and_chunk(
         a,

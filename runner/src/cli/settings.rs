@@ -232,6 +232,12 @@ pub fn prompt_ids(
 pub fn run_tokenizer(a: &RunArgs) -> Result<Option<k3_text::tokenizer::Tokenizer>, Failure> {
     use k3_text::tokenizer::{MODEL_FILE, Tokenizer};
     let load = |dir: &Path| Tokenizer::load(dir).map_err(|e| Failure::usage(e.to_string()));
+    let given = [a.ids.is_some(), a.prompt.is_some(), a.prompt_file.is_some()];
+    if given.iter().filter(|&&g| g).count() != 1 {
+        return Err(Failure::usage(
+            "exactly one of --ids, --prompt, --prompt-file is required",
+        ));
+    }
     if let Some(t) = &a.tok {
         return load(t).map(Some);
     }

@@ -10,7 +10,12 @@
 //! the next token needs (a cyclic scan); frequency keeps the popular experts through the sweep.
 //! Options (`--plugin-opt`): `age_every=N` requests between halvings (default 16 x the
 //! capacity; 0 = never); `mode=layer` (default), `lru` (ties to the least recently used) or
-//! `density` (evict the lowest (count + prior) / layers until its layer's turn; `prior=F`).
+//! `density` (evict the lowest (count + prior) / layers until its layer's turn;
+//! `density_prior=F`).
+//! `prior=PATH` (an `expert_trace.bin` from an earlier `--dump-cache-trace` run of the same
+//! model, another prompt) starts every count from that run's requests, each worth
+//! `prior_weight` (default 1) requests of this run: expert popularity is a property of the
+//! model's router, so a recorded run tells a cold cache what to keep.
 //! Build: `cargo build --release -p k3-plugin-lfu` gives `target/release/libk3_plugin_lfu.so`.
 
 use std::collections::HashMap;
@@ -65,7 +70,19 @@ impl CachePolicy for Lfu {
             n_layers: setup.n_layers,
             cur_layer: 0,
             mode,
-            prior: setup.options.number("prior", 1.0)?,
+            prior: setup.options.number("density_prior", 1.0)?,
+        })
+        .and_then(|mut l| {
+            if let Some(path) = setup.options.get("prior") {
+                let w: f64 = setup.options.number("prior_weight", 1.0)?;
+                for k in read_trace(path)? {
+                    // Counts are in half-requests (a request adds 2).
+                    let add = (2.0 * w).round() as u32;
+                    let c = l.counts.entry(k).or_insert(0);
+                    *c = c.saturating_add(add);
+                }
+            }
+            Ok(l)
         })
     }
 
@@ -132,6 +149,27 @@ impl CachePolicy for Lfu {
     }
 }
 
+/// The requests of an `expert_trace.bin` (token marks dropped), or why it cannot be read.
+fn read_trace(path: &str) -> Result<Vec<(u32, u32)>, String> {
+    let b = std::fs::read(path).map_err(|e| format!("option prior={path}: {e}"))?;
+    if b.len() < 16 || &b[..8] != b"K3XTRACE" {
+        return Err(format!(
+            "option prior={path}: not a k3 expert trace (bad magic)"
+        ));
+    }
+    let u = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    if u(8) != 1 || u(12) != 8 || (b.len() - 16) % 8 != 0 {
+        return Err(format!(
+            "option prior={path}: unsupported trace version or size"
+        ));
+    }
+    Ok((16..b.len())
+        .step_by(8)
+        .map(|i| (u(i), u(i + 4)))
+        .filter(|r| r.0 != u32::MAX)
+        .collect())
+}
+
 export_cache_policy!(
     Lfu,
     "lfu",
@@ -186,6 +224,42 @@ mod tests {
             p.on_event(&ev(EV_HIT, 1));
         }
         assert_eq!(p.choose_victim(&[c(0), c(1)]), 0);
+        // A prior trace in which expert 1 was requested three times and 0 never: with it, 0
+        // (same counts in this run) is the victim instead of 1.
+        let path = std::env::temp_dir().join(format!("k3-lfu-prior-{}.bin", std::process::id()));
+        let mut b = b"K3XTRACE".to_vec();
+        for w in [1u32, 8, u32::MAX, 0, 0, 1, 0, 1, 0, 1] {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        std::fs::write(&path, b).expect("write prior");
+        let fresh = |opts: &str| {
+            let mut p = Lfu::create(&CacheSetup {
+                options: Options::parse(opts),
+                ..setup.clone()
+            })
+            .expect("create");
+            for e in [0, 1] {
+                p.on_event(&ev(EV_REQUEST, e));
+                p.on_event(&ev(EV_INSERT, e));
+            }
+            p.on_event(&ev(EV_REQUEST, 1));
+            p.on_event(&ev(EV_HIT, 1));
+            p.on_event(&ev(EV_REQUEST, 0));
+            p.on_event(&ev(EV_HIT, 0));
+            p.choose_victim(&[c(0), c(1)])
+        };
+        let cold = fresh("mode=lru");
+        let warm = fresh(&format!("mode=lru\nprior={}", path.display()));
+        std::fs::remove_file(&path).ok();
+        assert_eq!((cold, warm), (1, 0), "the prior changes the victim");
+        assert!(
+            Lfu::create(&CacheSetup {
+                options: Options::parse("prior=/nonexistent/trace.bin"),
+                ..setup.clone()
+            })
+            .err()
+            .is_some_and(|e| e.contains("prior="))
+        );
         let bad = CacheSetup {
             options: Options::parse("age_every=soon"),
             ..setup

@@ -51,7 +51,6 @@ impl BufferSizes {
             + self.mla_q
             + self.mla_ckv
             + self.mla_kv_lora
-            + self.mla_kv
             + 2 * self.mla_out;
         let ffn = 3 * self.max_ff;
         let moe = 3 * self.max_ff + self.n_experts + 2 * self.moe_latent;
@@ -187,8 +186,8 @@ impl Plan {
                         .mla
                         .as_ref()
                         .expect("validated: MLA layers have an MlaSpec");
-                    lp.kv_bytes_per_position =
-                        f * (m.n_heads * (m.d_nope + m.d_v) + m.d_rope) as u64;
+                    // the latent cache: normalised c_kv and the shared k_rope
+                    lp.kv_bytes_per_position = f * (m.kv_lora_rank + m.d_rope) as u64;
                 }
             }
         }

@@ -237,10 +237,13 @@ fn ops_cases(isa: Isa) -> Cases {
         n_pos: 11,
         scale: 1.0 / 48f32.sqrt(),
     };
+    // the same draws from `r` as the expanded-cache inputs took before (q, 11x4x32, k_rope,
+    // 11x4x24), so the cases after this one keep their inputs; kv_b has its own generator
     let q = r.f32s(4 * 48, 2.0);
-    let w = r.bf16s(4 * (32 + 24) * 40, 0.3);
-    let ckv = r.f32s(11 * 40, 2.0);
+    let ckv = r.f32s(11 * 4 * 32, 2.0)[..11 * 40].to_vec();
     let kr = r.f32s(11 * 16, 2.0);
+    let _ = r.f32s(11 * 4 * 24, 2.0);
+    let w = Rng::new(0x4d4c_4131).bf16s(4 * (32 + 24) * 40, 0.3);
     let cache = MlaCache {
         c_kv: &ckv,
         k_rope: &kr,

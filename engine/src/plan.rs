@@ -47,11 +47,8 @@ impl BufferSizes {
     pub fn pass_work_per_token(&self) -> usize {
         let head_dim = self.kda_channels.checked_div(self.kda_heads).unwrap_or(0);
         let kda = 8 * self.kda_channels + self.kda_gate_rank + self.kda_heads + head_dim;
-        let mla = 2 * self.mla_q_lora
-            + self.mla_q
-            + self.mla_ckv
-            + self.mla_kv_lora
-            + 2 * self.mla_out;
+        let mla =
+            2 * self.mla_q_lora + self.mla_q + self.mla_ckv + self.mla_kv_lora + 2 * self.mla_out;
         let ffn = 3 * self.max_ff;
         let moe = 3 * self.max_ff + self.n_experts + 2 * self.moe_latent;
         kda.max(mla).max(ffn).max(moe)

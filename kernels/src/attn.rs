@@ -111,11 +111,7 @@ pub fn mla_attend_with(
         n_heads * (d_nope + d_v) * kv_lora,
         "mla_attend: kv_b must be [n_heads * (d_nope + d_v), kv_lora]"
     );
-    assert_eq!(
-        cache.c_kv.len(),
-        n_pos * kv_lora,
-        "mla_attend: c_kv shape"
-    );
+    assert_eq!(cache.c_kv.len(), n_pos * kv_lora, "mla_attend: c_kv shape");
     assert_eq!(
         cache.k_rope.len(),
         n_pos * d_rope,
@@ -251,7 +247,10 @@ mod tests {
         let kr = [0.25f32];
         let mut work = vec![0.0f32; shape.work_len()];
         let mut out = [0.0f32; 4];
-        let cache = MlaCache { c_kv: &c, k_rope: &kr };
+        let cache = MlaCache {
+            c_kv: &c,
+            k_rope: &kr,
+        };
         mla_attend(&pool, &shape, &q, &w, &cache, &mut work, &mut out);
         for h in 0..2 {
             // one position: probability exactly 1, so the weighted latent is c itself
@@ -282,7 +281,10 @@ mod tests {
         let wf = |r: usize, j: usize| bf16_to_f32(w[r * kvl + j]) as f64;
         let mut work = vec![0.0f32; shape.work_len()];
         let mut out = vec![0.0f32; h * dv];
-        let cache = MlaCache { c_kv: &c, k_rope: &kr };
+        let cache = MlaCache {
+            c_kv: &c,
+            k_rope: &kr,
+        };
         mla_attend(&Pool::new(2), &shape, &q, &w, &cache, &mut work, &mut out);
         for hh in 0..h {
             // expanded: k_nope[p] = Wk c[p], v[p] = Wv c[p], in f64
@@ -330,8 +332,19 @@ mod tests {
         };
         let w = [bf(1.0); 6];
         let mut out = [5.0f32; 2];
-        let cache = MlaCache { c_kv: &[], k_rope: &[] };
-        mla_attend(&Pool::new(1), &shape, &[1.0, 1.0], &w, &cache, &mut [0.0; 4], &mut out);
+        let cache = MlaCache {
+            c_kv: &[],
+            k_rope: &[],
+        };
+        mla_attend(
+            &Pool::new(1),
+            &shape,
+            &[1.0, 1.0],
+            &w,
+            &cache,
+            &mut [0.0; 4],
+            &mut out,
+        );
         assert_eq!(out, [0.0, 0.0]);
     }
 }

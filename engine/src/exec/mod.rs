@@ -164,9 +164,7 @@ impl SeqState {
                 .iter()
                 .map(|l| match l {
                     LayerState::Kda(k) => MarkedLayer::Kda(k.clone()),
-                    LayerState::Mla(m) => {
-                        MarkedLayer::Mla([m.c_kv.len(), m.k_rope.len()])
-                    }
+                    LayerState::Mla(m) => MarkedLayer::Mla([m.c_kv.len(), m.k_rope.len()]),
                 })
                 .collect(),
         }

@@ -9,7 +9,14 @@
 //! ([`speculate`]: several greedy tokens per trunk pass, the same tokens); [`chat`] holds a
 //! conversation's state and batches several; [`statefile`] saves and loads decode state;
 //! [`machine`] is the one place that reads this machine's memory facts.
+//!
+//! **Embedding**: [`api`] is the stable, documented surface (open a model with settings,
+//! generate with a per-token callback, save and load the decode state, read the report);
+//! `examples/generate.rs` uses it. The other modules are internals of the `k3-run` binary, the
+//! tests and the benches, and may change.
 #![deny(missing_docs)]
+
+pub mod api;
 
 // Internals: public so the `k3-run` binary, the tests and the benches reach them; their items
 // are documented where they are not obvious, and they are not covered by `missing_docs`.
@@ -23,6 +30,8 @@ pub mod checkpoint;
 pub mod draft;
 #[allow(missing_docs)]
 pub mod exec;
+#[allow(missing_docs)]
+pub mod machine;
 #[allow(missing_docs)]
 pub mod model;
 #[allow(missing_docs)]

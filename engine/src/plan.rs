@@ -82,6 +82,10 @@ pub struct Plan {
     pub layers: Vec<LayerPlan>,
     /// Embedding + lm_head + final norms.
     pub global_bytes: u64,
+    /// Bytes of the embedding table (part of `global_bytes`).
+    pub embed_bytes: u64,
+    /// Bytes of one embedding row (one token's vector: 2 x d_model in bf16).
+    pub embed_row_bytes: u64,
     /// Bytes of routed experts a token touches per MoE layer (top-k experts).
     pub active_expert_bytes_per_layer: u64,
     /// Most tokens one layer-major call feeds (a prompt chunk; `--prefill-chunk`): callers
@@ -165,6 +169,14 @@ impl Plan {
                 (None, _) => global_bytes += n,
             }
         }
+        let (embed_bytes, embed_row_bytes) = spec
+            .tensors
+            .iter()
+            .find(|t| t.role == TensorRole::Embed && t.layer.is_none() && t.expert.is_none())
+            .map_or((0, 0), |t| {
+                let n = t.n_bytes() as u64;
+                (n, n / t.shape.first().copied().unwrap_or(1).max(1) as u64)
+            });
         let f = std::mem::size_of::<f32>() as u64;
         for lp in &mut layers {
             match lp.attn {
@@ -200,9 +212,26 @@ impl Plan {
             buffers: b,
             layers,
             global_bytes,
+            embed_bytes,
+            embed_row_bytes,
             active_expert_bytes_per_layer: active,
             prefill_chunk: crate::exec::PREFILL_CHUNK,
         }
+    }
+
+    /// Memory an embedding served row by row from the checkpoint's map takes for `tokens`
+    /// tokens: the 4 KiB pages their rows can touch (a row of `embed_row_bytes` spans at most
+    /// `ceil(row / 4096) + 1` pages: 5 pages, 20,480 B, for a 14,336-byte row), never more than
+    /// the whole table's pages. A run reads only the rows of its tokens, so counting the whole
+    /// table (2.35 GB at the release's widths) would plan memory it never touches.
+    pub fn embed_touched_bytes(&self, tokens: usize) -> u64 {
+        const PAGE: u64 = 4096;
+        if self.embed_row_bytes == 0 {
+            return 0;
+        }
+        let per_row = (self.embed_row_bytes.div_ceil(PAGE) + 1) * PAGE;
+        let table = (self.embed_bytes.div_ceil(PAGE) + 1) * PAGE;
+        per_row.saturating_mul(tokens as u64).min(table)
     }
 
     pub fn trunk_bytes(&self) -> u64 {
@@ -314,8 +343,13 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  global         {:>12.3} GB (embedding, lm_head, final norms)",
-            gb(self.global_bytes)
+            "  global         {:>12.3} GB (embedding {:.3} GB, lm_head and final norms {:.3} GB); \
+             a memory-mapped embedding is planned at the rows a run touches ({} B per token, \
+             4 KiB pages)",
+            gb(self.global_bytes),
+            gb(self.embed_bytes),
+            gb(self.global_bytes - self.embed_bytes),
+            self.embed_touched_bytes(1)
         )?;
         writeln!(
             f,

@@ -85,9 +85,18 @@ impl Default for MemorySettings {
 pub struct Session<'c> {
     pub providers: Providers<'c>,
     pub startup: Vec<String>,
-    /// Bytes the plan holds in RAM (pinned + ring + cache + resident globals), for the state
-    /// check. Memory-mapped resident weights are not counted: the page cache can drop them.
+    /// Bytes the plan holds in RAM (pinned + ring + cache + resident globals + the
+    /// ultra-low-memory lm_head chunk buffer), for the state check. Memory-mapped resident
+    /// weights are not counted (the page cache can drop them), except lm_head and the final
+    /// norms, read whole every token. A memory-mapped embedding is not in this figure either:
+    /// a run reads only its tokens' rows, added per request by [`check_states`]
+    /// ([`Plan::embed_touched_bytes`]; see `mapped_embedding`).
     pub planned_bytes: u64,
+    /// The embedding is served row by row from the checkpoint's map (resident globals without
+    /// an arena): [`check_states`] plans the pages of the rows a request can touch. `false`
+    /// when the embedding is in the arena (counted whole in `planned_bytes`) or streamed
+    /// (`--ultra-low-memory`: rows read into a buffer, page cache only).
+    pub mapped_embedding: bool,
     /// Seconds spent loading the resident arena ([`ResidentMode::Arena`]; start-up cost), if any.
     pub resident_load_seconds: f64,
     /// Bytes of the resident arena on the reserved huge-page pool (`vm.nr_hugepages`): not in
@@ -243,6 +252,7 @@ pub fn build_with<'c>(
             Box::new(c)
         }
     };
+    let mut mapped_embedding = false;
     let global: Box<dyn crate::weights::GlobalSource + 'c> = if m.ultra_low_memory {
         let g = StreamedGlobal::new(
             spec,
@@ -253,15 +263,28 @@ pub fn build_with<'c>(
             },
         )?;
         startup.push(g.startup_line());
+        planned += g.buffer_bytes();
         Box::new(g)
     } else {
         if arena.is_none() {
-            planned += plan.global_bytes;
+            // lm_head and the final norms are read whole every token: planned whole. The
+            // embedding is read row by row through the map: planned per request.
+            planned += plan.global_bytes.saturating_sub(plan.embed_bytes);
+            mapped_embedding = true;
+            startup.push(format!(
+                "embedding + lm_head: memory-mapped ({resident_where}); lm_head and final norms \
+                 planned whole ({}), the {} embedding at the rows a request touches ({} per \
+                 token)",
+                fmt_bytes(plan.global_bytes.saturating_sub(plan.embed_bytes)),
+                fmt_bytes(plan.embed_bytes),
+                fmt_bytes(plan.embed_touched_bytes(1))
+            ));
+        } else {
+            startup.push(format!(
+                "embedding + lm_head: resident ({}, {resident_where})",
+                fmt_bytes(plan.global_bytes)
+            ));
         }
-        startup.push(format!(
-            "embedding + lm_head: resident ({})",
-            fmt_bytes(plan.global_bytes)
-        ));
         Box::new(ResidentGlobal::with_arena(spec, ckpt, arena.clone()).map_err(bind)?)
     };
     Ok(Session {
@@ -272,6 +295,7 @@ pub fn build_with<'c>(
         },
         startup,
         planned_bytes: planned,
+        mapped_embedding,
         resident_load_seconds,
         arena_hugetlb_bytes,
         trunk_in_ram,
@@ -335,25 +359,38 @@ impl Session<'_> {
 /// [`crate::stream::plan::memory_limit_bytes`] measured before [`build`] (after it, the pinned prefix already counts
 /// as used and would be counted twice with `planned_bytes`); `None` skips the check. Returns
 /// the line to print.
+/// `mapped_embedding` ([`Session::mapped_embedding`]): the embedding is read through the map,
+/// and the pages of the rows of the request's `positions` tokens are planned beside
+/// `planned_bytes` ([`Plan::embed_touched_bytes`]).
 pub fn check_state(
     plan: &Plan,
     positions: usize,
     planned_bytes: u64,
+    mapped_embedding: bool,
     limit: Option<u64>,
 ) -> Result<String, StreamError> {
-    check_states(plan, positions, 1, planned_bytes, limit)
+    check_states(plan, positions, 1, planned_bytes, mapped_embedding, limit)
 }
 
 /// [`check_state`] for `sequences` sequences decoded together (`--batch-ids`): each holds its
-/// own fixed KDA state and its own KV cache of up to `positions` positions.
+/// own fixed KDA state and its own KV cache of up to `positions` positions, and reads the
+/// embedding rows of its own tokens.
 pub fn check_states(
     plan: &Plan,
     positions: usize,
     sequences: usize,
     planned_bytes: u64,
+    mapped_embedding: bool,
     limit: Option<u64>,
 ) -> Result<String, StreamError> {
     let n = sequences.max(1) as u64;
+    let tokens = positions.saturating_mul(n as usize);
+    let embed = if mapped_embedding {
+        plan.embed_touched_bytes(tokens)
+    } else {
+        0
+    };
+    let planned_bytes = planned_bytes.saturating_add(embed);
     let prefill = plan.prefill_bytes();
     let state = StateMemory {
         bytes_per_position: plan.kv_bytes_per_position() * n,
@@ -365,7 +402,7 @@ pub fn check_states(
     } else {
         String::new()
     };
-    let line = format!(
+    let mut line = format!(
         "decode state{per}: {} fixed (KDA) + {} per position (MLA KV) x {} positions + {} for \
          prompt chunks of {} = {}",
         fmt_bytes(plan.state_bytes() * n),
@@ -375,6 +412,15 @@ pub fn check_states(
         plan.prefill_chunk,
         fmt_bytes(state.total())
     );
+    if mapped_embedding {
+        line.push_str(&format!(
+            "; embedding rows through the map: {} for {tokens} tokens (of the {} table), \
+             planned with the trunk, cache and lm_head: {}",
+            fmt_bytes(embed),
+            fmt_bytes(plan.embed_bytes),
+            fmt_bytes(planned_bytes)
+        ));
+    }
     if let Some(limit) = limit {
         check_state_memory(&state, planned_bytes, limit)?;
     }
@@ -422,4 +468,81 @@ pub(crate) fn check_trunk_source(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::plan::plan_trunk;
+
+    /// k3-wide (configs/synth/k3-wide.toml): the release's widths on 13 layers.
+    fn k3_wide_plan(positions: usize) -> Plan {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/k3-wide.toml");
+        let synth = crate::synth::spec::SynthSpec::load(&path).expect("k3-wide spec");
+        let (_, spec) = crate::synth::config_and_spec(&synth, None).expect("k3-wide model");
+        Plan::new(&spec, positions)
+    }
+
+    #[test]
+    fn embedding_rows_are_planned_at_the_pages_a_request_touches() {
+        let plan = k3_wide_plan(6);
+        // 163,840 x 7168 bf16: a 14,336-byte row spans at most 5 pages of 4 KiB
+        assert_eq!(plan.embed_row_bytes, 14_336);
+        assert_eq!(plan.embed_bytes, 163_840 * 14_336);
+        assert_eq!(plan.embed_touched_bytes(0), 0);
+        assert_eq!(plan.embed_touched_bytes(1), 5 * 4096);
+        assert_eq!(plan.embed_touched_bytes(6), 6 * 5 * 4096);
+        // bounded by the table (its pages, plus one for an unaligned start)
+        let table = plan.embed_bytes.div_ceil(4096) * 4096 + 4096;
+        assert_eq!(plan.embed_touched_bytes(163_840), table);
+        assert_eq!(plan.embed_touched_bytes(usize::MAX), table);
+        assert!(plan.embed_touched_bytes(1_000) < plan.embed_bytes / 100);
+    }
+
+    /// The laptop preset (3 GB trunk, 1 GB expert cache) on k3-wide in an 8 GB memory cgroup
+    /// (7.97 GB of headroom at start): the run holds the shared ring, the cache, lm_head and
+    /// the rows of its tokens, and is let through; counting the whole 2.35 GB embedding table
+    /// as resident refused it.
+    #[test]
+    fn laptop_preset_at_release_widths_passes_the_check_in_8_gb() {
+        let positions = 6;
+        let plan = k3_wide_plan(positions);
+        let sizes: Vec<u64> = plan.layers.iter().map(|l| l.trunk_bytes).collect();
+        let trunk = plan_trunk(&sizes, 3_000_000_000, 2).expect("laptop trunk plan");
+        assert!(trunk.shared_ring_bytes > 0, "{trunk:?}");
+        let limit = 7_970_000_000u64;
+        let without_embedding =
+            trunk.planned_bytes() + 1_000_000_000 + (plan.global_bytes - plan.embed_bytes);
+        let line = check_states(&plan, positions, 1, without_embedding, true, Some(limit))
+            .expect("the laptop preset fits an 8 GB cap");
+        assert!(line.contains("embedding rows through the map"), "{line}");
+        // the old accounting: the whole table planned resident
+        let whole_table = without_embedding + plan.embed_bytes;
+        let e = check_states(&plan, positions, 1, whole_table, false, Some(limit))
+            .expect_err("whole embedding table counted");
+        assert!(e.to_string().contains("already planned"), "{e}");
+        // a batch reads the rows of every sequence's tokens
+        let one = plan.embed_touched_bytes(positions);
+        let four = plan.embed_touched_bytes(4 * positions);
+        assert_eq!(four, 4 * one);
+        let tight = without_embedding
+            + plan.state_bytes() * 4
+            + plan.prefill_bytes()
+            + 4 * positions as u64 * plan.kv_bytes_per_position()
+            + one;
+        // enough for the state and one sequence's rows, not four sequences' rows
+        assert!(check_states(&plan, positions, 4, without_embedding, true, Some(tight)).is_err());
+        assert!(
+            check_states(
+                &plan,
+                positions,
+                4,
+                without_embedding,
+                true,
+                Some(tight - one + four)
+            )
+            .is_ok()
+        );
+    }
 }

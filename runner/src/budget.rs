@@ -24,7 +24,7 @@ use clap::Args;
 use k3_models::spec::{FfnKind, RoleScope, TensorRole};
 
 use crate::checkpoint::{Checkpoint, INDEX_FILE, SINGLE_FILE};
-use crate::cli::{Failure, exit, load_spec_files};
+use crate::cli::{Failure, checkpoint_failure, exit, load_spec_files};
 
 /// Flags of `k3-run budget`.
 #[derive(Args, Debug, Clone)]
@@ -465,8 +465,9 @@ impl Budget {
     }
 }
 
-/// `k3-run budget`: exit 0, or 1 when the checkpoint is not the manifest's model (the report
-/// is still printed; the engine would refuse to run it), 2 on a usage error.
+/// `k3-run budget`: exit 0; 1 when the checkpoint's files cannot be read (a missing, truncated
+/// or malformed index or shard, as in a run) or are not the manifest's model (the report is
+/// still printed; the engine would refuse to run it); 2 on a usage error.
 pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
     let (spec, files) = load_spec_files(&a.model_dir, a.manifest.as_deref(), a.config.as_deref())?;
     let dir = &a.model_dir;
@@ -474,7 +475,7 @@ pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
     let b = if has_checkpoint {
         let ck = match files {
             Some(f) => f,
-            None => Checkpoint::open_unchecked(dir).map_err(|e| Failure::usage(e.to_string()))?,
+            None => Checkpoint::open_unchecked(dir).map_err(checkpoint_failure)?,
         };
         let tensors: Vec<(&str, u64)> = ck
             .tensor_names()
@@ -509,9 +510,16 @@ pub fn main(a: &BudgetArgs) -> Result<u8, Failure> {
     for p in &b.problems {
         eprintln!("k3-run: budget: {p}");
     }
+    let source = if dir.join(INDEX_FILE).exists() {
+        format!(" as {} lists it", dir.join(INDEX_FILE).display())
+    } else if dir.join(SINGLE_FILE).exists() {
+        format!(" in {}", dir.join(SINGLE_FILE).display())
+    } else {
+        String::new()
+    };
     eprintln!(
-        "k3-run: budget: the checkpoint is not the manifest's model (the engine would refuse \
-         it); the floor above counts what is there"
+        "k3-run: budget: the checkpoint{source} is not the manifest's model (the engine would \
+         refuse it); the floor above counts what is there"
     );
     Ok(crate::verify::MISMATCH)
 }

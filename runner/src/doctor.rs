@@ -5,9 +5,12 @@
 //! (`MemAvailable`, the cgroup limit, transparent huge pages) and the preset that follows from
 //! it, the disk measured the way the engine reads it (large `O_DIRECT` reads, 8 MiB and
 //! 4096-aligned by default, into 2 MiB-page buffers like the trunk's, in random and in
-//! sequential order, at queue depth 1 and 16, over a test file written under `--dir` and
-//! deleted afterwards, or over an existing `--file`), the DRAM streaming-read bandwidth (all threads and one thread, a
-//! buffer far larger than the caches), the exact next commands, and `--json` with every figure
+//! sequential order, at queue depth 1 and 16, over a test file written where the model or the
+//! trunk will live (`--dir`, else the `--trunk` directory, else `--model`; never the current
+//! directory by default), announced with its size and place before it is written, and unlinked
+//! as soon as it is created, so that no exit leaves it behind; or over an existing `--file`),
+//! the DRAM streaming-read bandwidth (all threads and one thread, a buffer far larger than the
+//! caches), the exact next commands, and `--json` with every figure
 //! (the benchmark scripts in `bench/` read it to compute the I/O and memory floors).
 //! Must not: touch any model file, keep the test file, or measure through the page cache
 //! (buffered reads of a file just written measure RAM, not the disk: the disk part refuses
@@ -22,10 +25,12 @@
 //!
 //! Exit codes of `k3-run doctor`: 0 the machine can run real K3 (a preset was chosen and every
 //! measurement asked for was made); 1 it cannot (less than 10 GB available); 2 usage error or
-//! a measurement could not be made (bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
-//! refused); 5 stopped by Ctrl-C (the test file is removed first).
+//! a measurement could not be made (a bad `--dir`, tmpfs, not enough free space, `O_DIRECT`
+//! refused); 5 stopped by Ctrl-C. No disk named (no `--dir`, `--trunk`, `--model` or `--file`)
+//! is not a failed measurement: the disk line says which flag to give.
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -35,6 +40,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::cli::{Failure, exit};
+use crate::machine::MemInfo;
 use crate::stream::aligned::{AlignedBuf, IO_ALIGN};
 use crate::stream::direct::DirectFile;
 
@@ -58,10 +64,13 @@ pub const MIN_LAPTOP_GB: f64 = 10.0;
 /// Flags of `k3-run doctor`.
 #[derive(Args, Debug, Clone)]
 pub struct DoctorArgs {
-    /// Directory on the disk to measure (the packed trunk's disk; not tmpfs). A test file is
-    /// written there and deleted afterwards.
-    #[arg(long, default_value = ".")]
-    pub dir: PathBuf,
+    /// Directory on the disk to measure (the packed trunk's disk; not tmpfs). A `--size-gb`
+    /// test file is written there, read back and removed (its name is unlinked as soon as it
+    /// is created, so no exit leaves it behind). Default: the `--trunk` directory (its nearest
+    /// existing parent), else the `--model` directory; without any of them the disk is not
+    /// measured and doctor says which flag to give.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
     /// Size of the test file in GB (fractions allowed). Larger than any device or host cache
     /// gives honest figures; every read size is one pass over the file at most.
     #[arg(long, default_value_t = 4.0)]
@@ -113,6 +122,26 @@ pub struct DoctorArgs {
     pub json: Option<PathBuf>,
 }
 
+/// Where the disk test file goes: `--dir`, else the `--trunk` directory (or, before it is
+/// packed, its nearest existing parent), else the `--model` directory; with the flag it came
+/// from. `None`: no directory was named (the disk is not measured; the current directory is
+/// never assumed).
+pub fn probe_dir(a: &DoctorArgs) -> Option<(PathBuf, &'static str)> {
+    if let Some(d) = &a.dir {
+        return Some((d.clone(), "--dir"));
+    }
+    if let Some(t) = &a.trunk {
+        let existing = t.ancestors().find(|p| p.is_dir()).map(Path::to_path_buf);
+        let existing = match existing {
+            Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
+            Some(p) => p,
+            None => PathBuf::from("."),
+        };
+        return Some((existing, "--trunk"));
+    }
+    a.model.as_ref().map(|m| (m.clone(), "--model"))
+}
+
 /// The order of the blocks a read measurement visits.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -143,40 +172,6 @@ pub fn next_preset(available_bytes: u64) -> Option<(&'static str, f64)> {
         .rev()
         .find(|(min, _)| gb < *min)
         .map(|(min, name)| (*name, *min))
-}
-
-/// The fields of /proc/meminfo the doctor uses, in bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct MemInfo {
-    pub total: u64,
-    pub available: u64,
-    pub huge_page_size: u64,
-    /// Pages of the reserved huge-page pool (`vm.nr_hugepages`): total and free.
-    pub huge_pages_total: u64,
-    pub huge_pages_free: u64,
-}
-
-/// Parse /proc/meminfo text; `None` without `MemTotal` or `MemAvailable` (kernels < 3.14).
-pub fn parse_meminfo(text: &str) -> Option<MemInfo> {
-    let field = |key: &str| -> Option<u64> {
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
-            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            Some(kb * 1024)
-        })
-    };
-    let count = |key: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    Some(MemInfo {
-        total: field("MemTotal")?,
-        available: field("MemAvailable")?,
-        huge_page_size: field("Hugepagesize").unwrap_or(0),
-        huge_pages_total: count("HugePages_Total"),
-        huge_pages_free: count("HugePages_Free"),
-    })
 }
 
 /// Whether a virtio balloon device is bound (a VM that may hand freed memory to its host).
@@ -265,24 +260,6 @@ pub fn page_reporting_line(balloon: bool, reporting: Option<(u32, Option<u64>)>)
          huge pages for the buffers (`sudo sysctl vm.nr_hugepages=N`, 2 MiB each); `--io \
          page-cache` lets the next run find the prefix cached (docs/STREAMING.md)"
     ))
-}
-
-/// The memory cgroup of this process from /proc/self/cgroup text: (v2 path, v1 memory path).
-pub fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
-    let mut v2 = None;
-    let mut v1 = None;
-    for l in text.lines() {
-        let mut it = l.splitn(3, ':');
-        let (Some(id), Some(ctrl), Some(path)) = (it.next(), it.next(), it.next()) else {
-            continue;
-        };
-        if id == "0" && ctrl.is_empty() {
-            v2 = Some(path.to_string());
-        } else if ctrl.split(',').any(|c| c == "memory") {
-            v1 = Some(path.to_string());
-        }
-    }
-    (v2, v1)
 }
 
 /// `(major, minor, patch)` from `rustc 1.95.0 (abc 2026-01-01)` or `cargo 1.95.0 (...)`.
@@ -427,15 +404,6 @@ pub struct DramReport {
     pub reference_gb_per_s: f64,
 }
 
-/// Removes the test file when dropped (also on error paths and after Ctrl-C).
-struct TestFile(PathBuf);
-
-impl Drop for TestFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 fn statfs(path: &Path) -> Result<libc::statfs, String> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
@@ -467,15 +435,18 @@ fn fill_random(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Write the test file with O_DIRECT (sequential, `block`-sized writes), fdatasync it, and
-/// return the write bandwidth in MB/s.
+/// Create the test file at `path`, remove its name at once (the open descriptor keeps the file
+/// until it is closed, so no exit, not even a kill, leaves it behind), and write `n_blocks`
+/// blocks with O_DIRECT (sequential, `block`-sized writes), then fdatasync it. Returns the open
+/// file and the write rate in MB/s.
 fn write_test_file(
     path: &Path,
     n_blocks: usize,
     block: usize,
     stop: &AtomicBool,
-) -> Result<f64, String> {
+) -> Result<(std::fs::File, f64), String> {
     let mut f = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .create_new(true)
         .custom_flags(libc::O_DIRECT)
@@ -487,6 +458,12 @@ fn write_test_file(
                 path.display()
             )
         })?;
+    std::fs::remove_file(path).map_err(|e| {
+        format!(
+            "cannot remove the name of the test file {} right after creating it: {e}",
+            path.display()
+        )
+    })?;
     let mut buf = AlignedBuf::new(block).map_err(|e| format!("test buffer: {e}"))?;
     fill_random(buf.as_mut_slice(), 0x6b33_646f_6374_6f72);
     let t0 = Instant::now();
@@ -504,7 +481,7 @@ fn write_test_file(
     f.sync_data()
         .map_err(|e| format!("fdatasync of the test file {}: {e}", path.display()))?;
     let secs = t0.elapsed().as_secs_f64();
-    Ok((n_blocks * block) as f64 / 1e6 / secs.max(1e-9))
+    Ok((f, (n_blocks * block) as f64 / 1e6 / secs.max(1e-9)))
 }
 
 /// Random `block`-sized O_DIRECT reads at queue depth `qd` (qd threads, one blocking pread
@@ -595,17 +572,22 @@ fn read_at_qd(
     })
 }
 
-fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String> {
-    let target = a.file.as_deref().unwrap_or(&a.dir);
+fn measure_disk(
+    a: &DoctorArgs,
+    dir: &Path,
+    from: &str,
+    stop: &AtomicBool,
+) -> Result<DiskReport, String> {
+    let target = a.file.as_deref().unwrap_or(dir);
     let target = std::fs::canonicalize(target).map_err(|e| {
         format!(
             "{} {}: {e}",
-            if a.file.is_some() { "--file" } else { "--dir" },
+            if a.file.is_some() { "--file" } else { from },
             target.display()
         )
     })?;
     if a.file.is_none() && !target.is_dir() {
-        return Err(format!("--dir {} is not a directory", target.display()));
+        return Err(format!("{from} {} is not a directory", target.display()));
     }
     if a.file.is_some() && !target.is_file() {
         return Err(format!("--file {} is not a regular file", target.display()));
@@ -645,6 +627,16 @@ fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String>
         }
         None => {
             let n = ((a.size_gb * 1e9) as u64 / block as u64) as usize;
+            if n < 2 * qd_max {
+                // refused before anything is written
+                return Err(format!(
+                    "a {} GB test file holds only {n} reads of {} KiB; the test needs at least \
+                     {} (2 x the largest queue depth): raise --size-gb",
+                    a.size_gb,
+                    a.block_kib,
+                    2 * qd_max
+                ));
+            }
             let file_bytes = (n * block) as u64;
             let free = st.f_bavail * st.f_bsize as u64;
             if free < file_bytes + (1 << 30) {
@@ -656,10 +648,19 @@ fn measure_disk(a: &DoctorArgs, stop: &AtomicBool) -> Result<DiskReport, String>
                     file_bytes as f64 / 1e9
                 ));
             }
+            println!(
+                "disk       writing a {:.2} GB test file in {} (the {from} directory's disk; \
+                 {:.2} GB free there), reading it back and removing it (--no-disk skips this) ...",
+                file_bytes as f64 / 1e9,
+                target.display(),
+                free as f64 / 1e9
+            );
+            let _ = std::io::stdout().flush();
             let path = target.join(format!(".k3-doctor-{}.tmp", std::process::id()));
-            let guard = TestFile(path.clone());
-            let w = write_test_file(&path, n, block, stop)?;
-            (path, Some(guard), n, w)
+            let (file, w) = write_test_file(&path, n, block, stop)?;
+            // the name is gone already: read the open file through its descriptor
+            let fd_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            (fd_path, Some(file), n, w)
         }
     };
     if n_blocks < 2 * qd_max {
@@ -785,44 +786,6 @@ fn tool_version(tool: &str) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// Cgroup memory headroom (limit - usage) in bytes, if this process is under a limit.
-fn cgroup_headroom() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (v2, v1) = parse_proc_cgroup(&text);
-    let read = |p: PathBuf| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
-    if let Some(p) = v1 {
-        let dir = Path::new("/sys/fs/cgroup/memory").join(p.trim_start_matches('/'));
-        if let (Some(lim), Some(used)) = (
-            read(dir.join("memory.limit_in_bytes")),
-            read(dir.join("memory.usage_in_bytes")),
-        ) && lim < (1u64 << 60)
-        {
-            return Some((lim, lim.saturating_sub(used)));
-        }
-    }
-    if let Some(p) = v2 {
-        let dir = Path::new("/sys/fs/cgroup").join(p.trim_start_matches('/'));
-        if let (Some(lim), Some(used)) = (
-            read(dir.join("memory.max")),
-            read(dir.join("memory.current")),
-        ) {
-            return Some((lim, lim.saturating_sub(used)));
-        }
-    }
-    None
-}
-
-fn thp_mode() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .ok()
-        .and_then(|t| {
-            let t = t.trim();
-            let (_, rest) = t.split_once('[')?;
-            Some(rest.split(']').next()?.to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn gb(b: u64) -> String {
     format!("{:.2} GB", b as f64 / 1e9)
 }
@@ -915,11 +878,12 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     );
 
     // memory and preset
-    let meminfo = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| parse_meminfo(&t));
-    let cg = cgroup_headroom();
-    let thp = thp_mode();
+    let meminfo = crate::machine::meminfo();
+    // (limit, headroom) of the binding memory cgroup: the one a run's memory check uses
+    let cg = crate::machine::memory_limit()
+        .cgroup
+        .map(|c| (c.limit_bytes, c.headroom()));
+    let thp = crate::machine::transparent_huge_pages();
     let available = match (meminfo.map(|m| m.available), cg.map(|c| c.1)) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
@@ -986,21 +950,29 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     }
 
     // disk
+    let probe = probe_dir(a);
     let disk = if a.no_disk {
         None
+    } else if a.file.is_none() && probe.is_none() {
+        println!(
+            "disk       not measured: name the disk that will hold the packed trunk and the \
+             checkpoint: --dir DIR (or --trunk DIR / --model DIR); a {:.2} GB test file \
+             (--size-gb) is written there, read back and removed. --file trunk.bin reads an \
+             existing file instead; --no-disk skips this line",
+            a.size_gb
+        );
+        None
     } else {
-        match &a.file {
-            Some(f) => println!(
+        if let Some(f) = &a.file {
+            println!(
                 "disk       reading {} (existing file, read only) ...",
                 f.display()
-            ),
-            None => println!(
-                "disk       writing a {:.2} GB test file under {} ...",
-                a.size_gb,
-                a.dir.display()
-            ),
+            );
         }
-        match measure_disk(a, &stop) {
+        let (dir, from) = probe
+            .clone()
+            .unwrap_or_else(|| (PathBuf::from("."), "--dir"));
+        match measure_disk(a, &dir, from, &stop) {
             Ok(d) => {
                 if d.test_file_written {
                     println!(
@@ -1104,15 +1076,12 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         .unwrap_or_else(|| "~/k3model".into());
     // A --dir in RAM (tmpfs, ramfs) was refused above: the trunk is not suggested there.
     #[allow(clippy::unnecessary_cast)] // `f_type` is not i64 on every target
-    let dir_in_ram = statfs(&a.dir).is_ok_and(|st| fs_is_ram(st.f_type as i64));
-    let trunk_dir = a.trunk.clone().unwrap_or_else(|| {
-        if dir_in_ram {
-            PathBuf::from("/path/on/a/local/disk/k3trunk")
-        } else {
-            std::fs::canonicalize(&a.dir)
-                .unwrap_or_else(|_| a.dir.clone())
-                .join("k3trunk")
-        }
+    let dir_in_ram = |d: &Path| statfs(d).is_ok_and(|st| fs_is_ram(st.f_type as i64));
+    let trunk_dir = a.trunk.clone().unwrap_or_else(|| match &probe {
+        Some((d, _)) if !dir_in_ram(d) => std::fs::canonicalize(d)
+            .unwrap_or_else(|_| d.clone())
+            .join("k3trunk"),
+        _ => PathBuf::from("/path/on/a/local/disk/k3trunk"),
     });
     let trunk = shell_path(&trunk_dir);
     let mut next = Vec::new();
@@ -1191,6 +1160,40 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
 mod tests {
     use super::*;
 
+    #[derive(clap::Parser)]
+    struct DoctorCli {
+        #[command(flatten)]
+        a: DoctorArgs,
+    }
+
+    fn doctor_args(argv: &[&str]) -> DoctorArgs {
+        use clap::Parser;
+        DoctorCli::parse_from(std::iter::once("doctor").chain(argv.iter().copied())).a
+    }
+
+    #[test]
+    fn the_probe_goes_where_the_trunk_or_model_will_live_never_to_the_cwd_by_default() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path().to_str().unwrap();
+        let not_yet = format!("{t}/a/b/k3trunk");
+        assert_eq!(probe_dir(&doctor_args(&[])), None);
+        assert_eq!(
+            probe_dir(&doctor_args(&[
+                "--dir", "/x", "--trunk", t, "--model", "/m"
+            ])),
+            Some((PathBuf::from("/x"), "--dir"))
+        );
+        assert_eq!(
+            probe_dir(&doctor_args(&["--trunk", &not_yet, "--model", "/m"])),
+            Some((tmp.path().to_path_buf(), "--trunk")),
+            "a trunk not packed yet: its nearest existing parent"
+        );
+        assert_eq!(
+            probe_dir(&doctor_args(&["--model", "/m"])),
+            Some((PathBuf::from("/m"), "--model"))
+        );
+    }
+
     const GB: u64 = 1_000_000_000;
 
     #[test]
@@ -1215,21 +1218,6 @@ mod tests {
         for (_, name) in PRESET_THRESHOLDS_GB {
             crate::stream::presets::load_preset(name).expect("shipped preset");
         }
-    }
-
-    #[test]
-    fn meminfo_parses_available_not_free() {
-        let t = "MemTotal:       24684084 kB\nMemFree:         1561916 kB\n\
-                 MemAvailable:   23231456 kB\nHugepagesize:       2048 kB\n";
-        let m = parse_meminfo(t).expect("parses");
-        assert_eq!(m.total, 24_684_084 * 1024);
-        assert_eq!(m.available, 23_231_456 * 1024);
-        assert_eq!(m.huge_page_size, 2 << 20);
-        assert_eq!((m.huge_pages_total, m.huge_pages_free), (0, 0));
-        assert_eq!(parse_meminfo("MemTotal: 1 kB\nMemFree: 1 kB\n"), None);
-        let pool = format!("{t}HugePages_Total:    1400\nHugePages_Free:     1200\n");
-        let m = parse_meminfo(&pool).expect("parses");
-        assert_eq!((m.huge_pages_total, m.huge_pages_free), (1400, 1200));
     }
 
     #[test]
@@ -1291,23 +1279,6 @@ mod tests {
         assert!(
             off.contains("stays with this VM") && !off.contains("echo"),
             "{off}"
-        );
-    }
-
-    #[test]
-    fn cgroup_lines() {
-        let t = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
-        assert_eq!(
-            parse_proc_cgroup(t),
-            (Some("/".into()), Some("/process_api/abc".into()))
-        );
-        assert_eq!(
-            parse_proc_cgroup("0::/user.slice/x.scope\n"),
-            (Some("/user.slice/x.scope".into()), None)
-        );
-        assert_eq!(
-            parse_proc_cgroup("3:cpu,memory:/a\n"),
-            (None, Some("/a".into()))
         );
     }
 

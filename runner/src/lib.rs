@@ -5,8 +5,8 @@
 //! `crate::exec`, `crate::stream` as before; nothing in the engine imports from here.
 
 pub use k3_engine::{
-    arena, bytes_bar, checkpoint, draft, exec, model, plan, plugins, resident, run, session, speculate,
-    statefile, stream, synth, weights,
+    arena, bytes_bar, checkpoint, draft, exec, machine, model, plan, plugins, resident, run,
+    session, speculate, statefile, stream, synth, weights,
 };
 
 pub mod budget;
@@ -14,5 +14,6 @@ pub mod chat;
 pub mod cli;
 pub mod digest;
 pub mod doctor;
+pub mod download;
 pub mod runconfig;
 pub mod verify;

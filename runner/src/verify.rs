@@ -35,8 +35,8 @@ use crate::cli::{Failure, exit};
 use crate::digest::{self, Digest};
 
 /// Exit code of a check that found a mismatch (docs/DESIGN.md §6 code 1: the files are not the
-/// model's).
-pub const MISMATCH: u8 = 1;
+/// model's; the same code as a run that cannot bind them).
+pub const MISMATCH: u8 = exit::MISMATCH;
 
 /// Published numbers of a release that are known for certain.
 #[derive(Clone, Copy, Debug)]
@@ -169,13 +169,19 @@ pub fn read_sizes(path: &Path) -> Result<BTreeMap<String, Published>, String> {
         }
     }
     for name in out.keys() {
-        if !checkpoint::is_plain_file_name(name) {
+        if !is_relative_file_path(name) {
             return Err(bad(format!(
-                "{name:?} is not a plain file name in the checkpoint directory"
+                "{name:?} is not a file name or a relative path inside the checkpoint directory"
             )));
         }
     }
     Ok(out)
+}
+
+/// A listing's path of a file inside the checkpoint directory: plain file names joined by `/`
+/// (a repository's `docs/guide.md`), none of them empty, `.` or `..`.
+pub fn is_relative_file_path(name: &str) -> bool {
+    name.split('/').all(checkpoint::is_plain_file_name)
 }
 
 /// The content digest of one tree-listing entry: `lfs.oid` (SHA-256) when the file is in LFS,
@@ -349,8 +355,11 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     }
     let index_path = dir.join(INDEX_FILE);
     let (index, meta_total) = if index_path.is_file() {
-        let (map, total) = checkpoint::read_index_with_total(&index_path)
-            .map_err(|e| Failure::usage(format!("cannot read the index: {e}")))?;
+        let (map, total) = checkpoint::read_index_with_total(&index_path).map_err(|e| {
+            crate::cli::checkpoint_failure(format!(
+                "cannot read the index: {e}; fetch {INDEX_FILE} again"
+            ))
+        })?;
         (Some(map), total)
     } else if dir.join(SINGLE_FILE).exists() {
         (None, None)
@@ -379,8 +388,8 @@ pub fn main(a: &VerifyArgs) -> Result<u8, Failure> {
     let n_tensors = index.as_ref().map_or(0, checkpoint::IndexMap::len);
     let n_shards = by_file.len();
     if n_shards == 0 {
-        return Err(Failure::usage(format!(
-            "{}: the weight_map names no shard",
+        return Err(crate::cli::checkpoint_failure(format!(
+            "{}: the weight_map names no shard; fetch {INDEX_FILE} again",
             index_path.display()
         )));
     }

@@ -15,9 +15,9 @@ use chat_support::{bin, repo, synth_model};
 use serde_json::{Value, json};
 use serve_support::start_at;
 
-/// The fixtures' Python with `openai` importable: `K3RUN_TEST_PYTHON`, else `<repo>/.venv`.
+/// The fixtures' Python with `openai` importable: `K3_TEST_PYTHON`, else `<repo>/.venv`.
 fn python() -> Result<PathBuf, String> {
-    let p = std::env::var_os("K3RUN_TEST_PYTHON")
+    let p = std::env::var_os("K3_TEST_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo().join(".venv/bin/python"));
     if !p.exists() {

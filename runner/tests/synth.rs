@@ -329,6 +329,14 @@ fn every_shipped_synth_spec_builds_a_valid_model_and_k3_mini_has_the_stated_size
     seen.sort();
     assert_eq!(
         seen,
-        ["k3-counts", "k3-mini", "k3-mini-flat", "odd9", "tiny"]
+        [
+            "k3-counts",
+            "k3-mini",
+            "k3-mini-flat",
+            "k3-wide",
+            "k3-wide-small",
+            "odd9",
+            "tiny"
+        ]
     );
 }

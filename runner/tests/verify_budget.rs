@@ -6,8 +6,8 @@
 //!   altered by opposite amounts (the total still right) each exit 1 naming exactly the
 //!   shards to fetch again; a `--sizes` file (object or Hugging Face tree listing) of the true
 //!   sizes passes, one with a wrong size names that shard, a wrong `--expect-bytes` and
-//!   `--release kimi-k3` (96 shards, 1560936091448 bytes) fail; no index, a corrupt index and
-//!   an unreadable `--sizes` exit 2;
+//!   `--release kimi-k3` (96 shards, 1560936091448 bytes) fail; no index and an unreadable
+//!   `--sizes` exit 2, a corrupt index exits 1 naming it (a checkpoint that cannot be read);
 //! - budget's class totals add up to every tensor's bytes as the test reads them from the
 //!   shard headers itself, agree with `k3-run plan`'s dense trunk / routed experts / global,
 //!   and count the shared experts (found by the seed's own name rule) resident, on fixture A,
@@ -207,6 +207,15 @@ fn verify_usage_errors_exit_2() {
         stderr(&o)
     );
 
+    let o = verify(&fixture_a(), &["--sizes", s(&empty.join("nope.json"))]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--sizes"), "{}", stderr(&o));
+}
+
+/// An index that is there but cannot be read is a checkpoint that cannot be read: exit 1 (as
+/// in a run), naming the index to fetch again.
+#[test]
+fn verify_with_a_corrupt_index_exits_1_naming_it() {
     let d = copy_a("verify_bad_index");
     for (index, says) in [
         (&b"{\"weight_map\": 3}"[..], "weight_map"),
@@ -216,17 +225,18 @@ fn verify_usage_errors_exit_2() {
         let o = verify(&d, &[]);
         assert_eq!(
             code(&o),
-            2,
+            1,
             "{}: {}",
             String::from_utf8_lossy(index),
             stdout(&o)
         );
-        assert!(stderr(&o).contains(says), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains(says), "{err}");
+        assert!(
+            err.contains("fetch model.safetensors.index.json again"),
+            "{err}"
+        );
     }
-
-    let o = verify(&fixture_a(), &["--sizes", s(&empty.join("nope.json"))]);
-    assert_eq!(code(&o), 2, "{}", stderr(&o));
-    assert!(stderr(&o).contains("--sizes"), "{}", stderr(&o));
 }
 
 /// Every tensor of a checkpoint, read from the shard headers here: (name, bytes).

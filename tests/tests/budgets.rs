@@ -276,6 +276,42 @@ fn cache_budget_above_the_model_is_planned_at_its_capacity() {
     );
 }
 
+/// A memory-mapped embedding is planned at the rows a request reads, not at the whole
+/// table (a run reads one row per token through the map): the session plans lm_head and the
+/// final norms whole and leaves the embedding to the per-request check. An arena holds the
+/// whole table (planned whole); `--ultra-low-memory` streams it (its lm_head chunk buffer is
+/// planned instead).
+#[test]
+fn mapped_embedding_is_planned_per_request_not_whole() {
+    let (model, trunk) = synth_and_pack("tiny", 1, &dir());
+    let (spec, ckpt) = k3_conformance::open_model(&model);
+    let plan = k3_run::plan::Plan::new(&spec, 8);
+    assert!(plan.embed_bytes > 0 && plan.embed_bytes < plan.global_bytes);
+    let mapped = k3_run::session::build(&spec, &ckpt, &plan, &MemorySettings::default())
+        .expect("resident, mapped");
+    assert!(mapped.mapped_embedding);
+    // trunk and experts mapped (not planned); lm_head + norms planned; the embedding not
+    assert_eq!(mapped.planned_bytes, plan.global_bytes - plan.embed_bytes);
+    let line = k3_run::session::check_states(&plan, 8, 1, mapped.planned_bytes, true, None)
+        .expect("no limit");
+    assert!(line.contains("embedding rows through the map"), "{line}");
+    let ultra = MemorySettings {
+        trunk_dir: Some(trunk.clone()),
+        ultra_low_memory: true,
+        ..MemorySettings::default()
+    };
+    let u = k3_run::session::build(&spec, &ckpt, &plan, &ultra).expect("ultra");
+    assert!(!u.mapped_embedding);
+    let streamed_trunk = MemorySettings {
+        trunk_dir: Some(trunk),
+        ..MemorySettings::default()
+    };
+    let t = k3_run::session::build(&spec, &ckpt, &plan, &streamed_trunk).expect("trunk");
+    // the same trunk plan; ultra holds a chunk buffer instead of lm_head
+    let lm_head_and_norms = plan.global_bytes - plan.embed_bytes;
+    assert!(u.planned_bytes > t.planned_bytes - lm_head_and_norms);
+}
+
 /// The kernel workers spin between dispatches only when no trunk layer is read per token
 /// (resident trunk, or every layer pinned; experts resident or streamed); with ring slots they
 /// sleep, leaving the CPUs to the trunk's reader threads. The bits never depend on it: `check`

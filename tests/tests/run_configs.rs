@@ -11,7 +11,6 @@
 use std::path::{Path, PathBuf};
 
 use k3_conformance::{repo_root, run_with, synth_and_pack};
-use k3_run::runconfig::RunConfig;
 use k3_run::session::MemorySettings;
 use k3_run::stream::{io_policy, presets};
 
@@ -51,9 +50,11 @@ fn every_run_config_gives_the_same_snapshot() {
         "expected the six presets + mmap + resident run configs, found {configs:?}"
     );
     for path in &configs {
-        let rc = RunConfig::load(path).unwrap_or_else(|e| panic!("{e}"));
-        let io =
-            io_policy::load_io_policy(&rc.io).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let rc = k3_run::runconfig::layer(Some(path), Default::default())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .settings;
+        let io = io_policy::load_io_policy(rc.io.as_deref().unwrap_or("direct"))
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut s = MemorySettings {
             io,
             ring_slots: rc.trunk_ring.unwrap_or(2),
@@ -70,7 +71,7 @@ fn every_run_config_gives_the_same_snapshot() {
         }
         let (bits, t, e) = run_with(&model, &s, &[5, 6, 7, 8, 9], 6, 2);
         println!(
-            "{}: pinned {}/{} ring {} | experts: req {} resident hits {} misses {} -> {:?}",
+            "{:?}: pinned {}/{} ring {} | experts: req {} resident hits {} misses {} -> {:?}",
             rc.name,
             t.pinned_layers,
             t.n_layers,

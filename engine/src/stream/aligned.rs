@@ -571,15 +571,7 @@ mod tests {
 
     /// Free 2 MiB pages of the reserved pool, from /proc/meminfo (0 when there is none).
     fn pool_free_pages() -> u64 {
-        let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().split(' ').next()?.parse().ok())
-        };
-        match field("Hugepagesize:") {
-            Some(2048u64) => field("HugePages_Free:").unwrap_or(0),
-            _ => 0,
-        }
+        crate::machine::reserved_pool_free_bytes().unwrap_or(0) / HUGE_PAGE as u64
     }
 
     /// Reserved-first buffers behave like any other: aligned, zeroed, writable, and on the

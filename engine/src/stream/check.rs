@@ -59,7 +59,8 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 
 /// Compare every layer of the packed trunk in `trunk_dir` with the checkpoint. A trunk that
 /// cannot be opened at all (no trunk.json, another model, other weights by its fingerprints)
-/// is an error as for a run (exit 2).
+/// is an error as for a run (exit 2); a checkpoint that cannot be opened (a missing, truncated
+/// or malformed index or shard) is [`StreamError::Pack`], as in `pack-trunk` and a run (exit 1).
 pub fn check_trunk(
     model_dir: &Path,
     spec: &ModelSpec,
@@ -68,7 +69,7 @@ pub fn check_trunk(
     progress: bool,
 ) -> Result<CheckReport, StreamError> {
     let started = Instant::now();
-    let ck = Checkpoint::open(model_dir, spec).map_err(|e| StreamError::Config(e.to_string()))?;
+    let ck = Checkpoint::open(model_dir, spec).map_err(|e| StreamError::Pack(e.to_string()))?;
     let manifest = TrunkManifest::load(trunk_dir, spec)?;
     let largest = manifest.layer_sizes().into_iter().max().unwrap_or(0);
     let total: u64 = manifest.layers.iter().map(|l| l.size).sum();

@@ -147,6 +147,22 @@ impl StreamedGlobal {
         })
     }
 
+    /// Bytes this source holds in RAM, for the memory plan: the lm_head chunk buffer, the
+    /// bf16 copy of a chunk made when the chunk is not 2-byte aligned (an odd tensor offset),
+    /// the embedding row buffer and the small tensors.
+    pub fn buffer_bytes(&self) -> u64 {
+        let chunk = (self.chunk_rows * self.lm_head.cols * 2) as u64;
+        let realign = if self.lm_head.offset.is_multiple_of(2) {
+            0
+        } else {
+            chunk
+        };
+        self.chunk.capacity() as u64
+            + realign
+            + self.row.len() as u64
+            + self.small.iter().map(|(_, b)| b.len() as u64).sum::<u64>()
+    }
+
     /// Rows of lm_head per chunk.
     pub fn chunk_rows(&self) -> usize {
         self.chunk_rows

@@ -24,8 +24,6 @@
 //! It always pins at least as many layers as the bounded iteration (a property test checks
 //! this against the seed's loop) and is monotone in the budget.
 
-use std::path::{Path, PathBuf};
-
 use super::aligned::{IO_ALIGN, align_down, align_up};
 use super::fmt_bytes;
 
@@ -51,7 +49,7 @@ pub enum PlanError {
     #[error(
         "KV cache and recurrent state for {positions} positions need {} ({} per position x \
          {positions} + {} fixed, prompt-chunk working memory included), but only {} remain ({} memory limit minus {} already planned \
-         for trunk, expert cache and global tensors); shorten the request (prompt + --gen; \
+         for trunk, expert cache, global tensors and the embedding rows the request reads); shorten the request (prompt + --gen; \
          --max-context for --chat / --serve), decode fewer sequences together (--batch-ids, \
          --serve-batch), use smaller --prefill-chunk, or lower the budgets",
         fmt_bytes(*need), fmt_bytes(*per_position), fmt_bytes(*fixed),
@@ -327,234 +325,12 @@ pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Resu
     Ok(need)
 }
 
-/// The memory this process may use: the smaller of `MemAvailable` (/proc/meminfo) and the
-/// memory cgroup headroom (limit minus usage; cgroup v2, else v1, see [`cgroup_memory_at`]).
-/// `None` if neither is readable (non-Linux). Measure it before the session allocates: what
-/// the session has already touched counts as usage.
-pub fn memory_limit_bytes() -> Option<u64> {
-    memory_limit().bytes()
-}
-
-/// [`memory_limit_at`] the real root `/`.
-pub fn memory_limit() -> MemoryLimit {
-    memory_limit_at(Path::new("/"))
-}
-
-/// The memory limit seen under `root` (`/` in production; a fake tree in tests): reads
-/// `root/proc/meminfo`, `root/proc/self/cgroup` and the cgroup files under `root/sys/fs/cgroup`.
-pub fn memory_limit_at(root: &Path) -> MemoryLimit {
-    MemoryLimit {
-        mem_available_bytes: std::fs::read_to_string(root.join("proc/meminfo"))
-            .ok()
-            .and_then(|s| parse_meminfo_available(&s)),
-        cgroup: cgroup_memory_at(root),
-    }
-}
-
-/// Free pages of the reserved 2 MiB huge-page pool (`vm.nr_hugepages`) in bytes, from
-/// /proc/meminfo; `None` when unreadable or the default huge page is not 2 MiB (the only size
-/// [`crate::stream::aligned::PageSource::ReservedFirst`] maps).
-pub fn reserved_pool_free_bytes() -> Option<u64> {
-    parse_reserved_pool_free(&std::fs::read_to_string("/proc/meminfo").ok()?)
-}
-
-/// [`reserved_pool_free_bytes`] from the text of /proc/meminfo.
-pub fn parse_reserved_pool_free(text: &str) -> Option<u64> {
-    let field = |name: &str| {
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-    };
-    let page_kb = field("Hugepagesize")?;
-    (page_kb == 2048).then_some(field("HugePages_Free")? * page_kb * 1024)
-}
-
-/// `MemAvailable` in bytes from the text of /proc/meminfo.
-pub fn parse_meminfo_available(text: &str) -> Option<u64> {
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix("MemAvailable:")?;
-        let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-        Some(kb * 1024)
-    })
-}
-
-/// What bounds this process's memory: `MemAvailable` and the tightest memory cgroup.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct MemoryLimit {
-    pub mem_available_bytes: Option<u64>,
-    /// `None`: no cgroup limit found (unlimited, or the files are missing).
-    pub cgroup: Option<CgroupMemory>,
-}
-
-impl MemoryLimit {
-    /// The smaller of `MemAvailable` and the cgroup headroom; `None` if neither is known.
-    pub fn bytes(&self) -> Option<u64> {
-        let cg = self.cgroup.as_ref().map(CgroupMemory::headroom);
-        match (self.mem_available_bytes, cg) {
-            (Some(a), Some(c)) => Some(a.min(c)),
-            (a, c) => a.or(c),
-        }
-    }
-
-    /// One start-up line: the limit and where it came from.
-    pub fn report_line(&self) -> String {
-        let avail = self
-            .mem_available_bytes
-            .map_or("unknown".to_string(), fmt_bytes);
-        match (self.bytes(), &self.cgroup) {
-            (Some(b), Some(c)) => format!(
-                "memory limit: {} = the smaller of MemAvailable {avail} and the cgroup {} \
-                 headroom {} (limit {} - usage {}, {})",
-                fmt_bytes(b),
-                c.version.name(),
-                fmt_bytes(c.headroom()),
-                fmt_bytes(c.limit_bytes),
-                fmt_bytes(c.usage_bytes),
-                c.dir.display()
-            ),
-            (Some(b), None) => format!(
-                "memory limit: {} = MemAvailable (no memory cgroup limit: cgroup v2 memory.max \
-                 and v1 memory.limit_in_bytes unlimited or unreadable)",
-                fmt_bytes(b)
-            ),
-            (None, _) => "memory limit: unknown (no /proc/meminfo, no memory cgroup limit); the \
-                          decode-state check is skipped"
-                .to_string(),
-        }
-    }
-}
-
-/// Which cgroup interface a limit was read from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CgroupVersion {
-    /// `memory.limit_in_bytes` / `memory.usage_in_bytes` under `/sys/fs/cgroup/memory`.
-    V1,
-    /// `memory.max` / `memory.current` under `/sys/fs/cgroup`.
-    V2,
-}
-
-impl CgroupVersion {
-    pub fn name(self) -> &'static str {
-        match self {
-            CgroupVersion::V1 => "v1",
-            CgroupVersion::V2 => "v2",
-        }
-    }
-}
-
-/// The binding memory cgroup: the level (this process's cgroup or an ancestor) with the least
-/// headroom.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct CgroupMemory {
-    pub version: CgroupVersion,
-    /// Directory of the binding cgroup.
-    pub dir: PathBuf,
-    pub limit_bytes: u64,
-    /// Current usage (page cache charged to the cgroup included; 0 if the file is unreadable).
-    pub usage_bytes: u64,
-}
-
-impl CgroupMemory {
-    /// `limit - usage`, 0 if over.
-    pub fn headroom(&self) -> u64 {
-        self.limit_bytes.saturating_sub(self.usage_bytes)
-    }
-}
-
-/// A cgroup v1 limit at or above this is "no limit": an unlimited v1 cgroup reports
-/// `PAGE_COUNTER_MAX` pages in bytes (9223372036854771712 with 4 KiB pages; a different value
-/// just below 2^63 with larger pages). No machine has 2^60 bytes.
-pub const CGROUP_V1_UNLIMITED: u64 = 1 << 60;
-
-/// The memory cgroup limit of this process under `root`: cgroup v2 first (the `0::PATH` line
-/// of `root/proc/self/cgroup`, `memory.max` = a number or `max`, `memory.current`), then v1
-/// (the line whose controller list has `memory`, `memory.limit_in_bytes` below
-/// [`CGROUP_V1_UNLIMITED`], `memory.usage_in_bytes`). The process's cgroup and every ancestor
-/// up to the mount point are read (a parent's limit binds its children) and the level with the
-/// least headroom is returned. If the process's cgroup directory does not exist (a container
-/// that mounts its own cgroup at the mount point), the mount point alone is read. `None`
-/// without a readable limit (unlimited everywhere, hybrid hierarchy without a v2 memory
-/// controller and no v1 limit, missing files, non-Linux).
-pub fn cgroup_memory_at(root: &Path) -> Option<CgroupMemory> {
-    let text = std::fs::read_to_string(root.join("proc/self/cgroup")).ok()?;
-    let (v2, v1) = parse_proc_cgroup(&text);
-    let mounts = [
-        (CgroupVersion::V2, v2, "sys/fs/cgroup"),
-        (CgroupVersion::V1, v1, "sys/fs/cgroup/memory"),
-    ];
-    mounts.into_iter().find_map(|(version, rel, mount)| {
-        let rel = rel?;
-        cgroup_levels(&root.join(mount), &rel)
-            .into_iter()
-            .filter_map(|dir| {
-                let (limit_bytes, usage_bytes) = read_cgroup_level(version, &dir)?;
-                Some(CgroupMemory {
-                    version,
-                    dir,
-                    limit_bytes,
-                    usage_bytes,
-                })
-            })
-            .min_by_key(CgroupMemory::headroom)
-    })
-}
-
-/// The memory cgroup paths of this process from /proc/self/cgroup text: (v2 `0::PATH`, v1
-/// `N:...memory...:PATH`).
-fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
-    let (mut v2, mut v1) = (None, None);
-    for l in text.lines() {
-        let mut it = l.splitn(3, ':');
-        let (Some(id), Some(ctrl), Some(path)) = (it.next(), it.next(), it.next()) else {
-            continue;
-        };
-        if id == "0" && ctrl.is_empty() {
-            v2 = Some(path.trim().to_string());
-        } else if ctrl.split(',').any(|c| c == "memory") {
-            v1 = Some(path.trim().to_string());
-        }
-    }
-    (v2, v1)
-}
-
-/// The cgroup directory for `rel` under `mount` and its ancestors up to `mount`, leaf first.
-fn cgroup_levels(mount: &Path, rel: &str) -> Vec<PathBuf> {
-    let rel = Path::new(rel.trim_start_matches('/'));
-    let plain = rel
-        .components()
-        .all(|c| matches!(c, std::path::Component::Normal(_)));
-    let leaf = mount.join(rel);
-    if !plain || !leaf.is_dir() {
-        return vec![mount.to_path_buf()];
-    }
-    leaf.ancestors()
-        .take(rel.components().count() + 1)
-        .map(Path::to_path_buf)
-        .collect()
-}
-
-/// (limit, usage) of one cgroup directory; `None` without a limit (unlimited or unreadable).
-fn read_cgroup_level(version: CgroupVersion, dir: &Path) -> Option<(u64, u64)> {
-    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
-    let (limit_file, usage_file) = match version {
-        CgroupVersion::V2 => ("memory.max", "memory.current"),
-        CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-    };
-    let limit: u64 = read(limit_file)?.trim().parse().ok()?; // v2 "max" does not parse: no limit
-    if version == CgroupVersion::V1 && limit >= CGROUP_V1_UNLIMITED {
-        return None;
-    }
-    let usage = read(usage_file)
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0);
-    Some((limit, usage))
-}
+/// The memory facts moved to [`crate::machine`]; re-exported here for existing paths.
+pub use crate::machine::{
+    CGROUP_V1_UNLIMITED, CgroupMemory, CgroupVersion, MemoryLimit, cgroup_memory_at, memory_limit,
+    memory_limit_at, memory_limit_bytes, parse_meminfo_available, parse_reserved_pool_free,
+    reserved_pool_free_bytes,
+};
 
 #[cfg(test)]
 mod tests {
@@ -655,20 +431,33 @@ mod tests {
 
     #[test]
     fn real_k3_laptop_budget_gets_a_shared_ring() {
-        // docs/DESIGN.md §2: layer 0 is 2.341 GB (the dense MLP), the 108.81 GB trunk's other 92
-        // layers ~1.157 GB each. The laptop preset's 3.00 GB cannot pin layer 0 next to a slot
-        // or hold two 2.34 GB slots: one slot of layer 0's size. As a shared ring it holds any
-        // two of layers 1..92 side by side; only layers 0 and 1 (beside 92 and 0) are read
-        // synchronously.
-        let mut sizes = vec![2_341_000_000u64];
-        sizes.extend(std::iter::repeat_n(1_157_000_000u64, 92));
+        // The release's trunk (`k3-run plan` of models/tests/data/kimi-k3-config.json): layer
+        // 0 KDA + dense MLP 2,341,213,184 B, KDA + MoE 1,267,744,256 B, MLA + MoE 844,335,616 B;
+        // MLA at layers 3, 7, ..., 91 and 92. The laptop preset's 3.00 GB cannot pin layer 0
+        // next to a slot or hold two 2.34 GB slots: one slot of layer 0's size.
+        let mut sizes = vec![2_341_213_184u64];
+        sizes.extend((1..93).map(|l| {
+            if l % 4 == 3 || l == 92 {
+                844_335_616u64
+            } else {
+                1_267_744_256
+            }
+        }));
         let p = plan_trunk(&sizes, 3_000_000_000, 2).expect("plan");
         assert_eq!((p.pinned_layers, p.ring_slots), (0, 1));
-        assert_eq!(p.ring_slot_bytes, align_up(2_341_000_000, K));
-        // Two 1.157 GB layers fit in layer 0's slot: the ring is that slot, no larger.
-        assert_eq!(p.shared_ring_bytes, p.ring_slot_bytes);
-        assert_eq!(p.planned_bytes(), p.ring_slot_bytes);
+        assert_eq!(p.ring_slot_bytes, align_up(2_341_213_184, K));
+        // Two KDA + MoE layers (2.54 GB) do not fit in layer 0's slot: the ring widens to
+        // that pair, and every layer but 0 and 1 (beside layer 0) is read ahead.
+        assert_eq!(p.shared_ring_bytes, align_up(2 * 1_267_744_256, K));
+        assert!(p.shared_ring_bytes > p.ring_slot_bytes);
+        assert_eq!(p.planned_bytes(), p.shared_ring_bytes);
         assert_eq!(p.read_ahead_layers, 91);
+        // At the ultra preset's 2.5 GB the ring stays one slot: only the 46 layers with an MLA
+        // layer beside the one before them are read ahead (45 KDA-after-KDA pairs and layers
+        // 0 and 1 are not).
+        let p = plan_trunk(&sizes, 2_500_000_000, 2).expect("plan");
+        assert_eq!(p.shared_ring_bytes, p.ring_slot_bytes);
+        assert_eq!(p.read_ahead_layers, 46);
         // Desktop (16 GB) keeps two uniform slots and pins a prefix.
         let p = plan_trunk(&sizes, 16_000_000_000, 2).expect("plan");
         assert_eq!((p.ring_slots, p.shared_ring_bytes), (2, 0));
@@ -734,230 +523,6 @@ mod tests {
         assert!(msg.contains("10 positions"), "{msg}");
         assert!(msg.contains("10.50 KB"), "{msg}");
         assert!(msg.contains("10.40 KB remain"), "{msg}");
-    }
-
-    #[test]
-    fn meminfo_parse() {
-        let t = "MemTotal:       24000000 kB\nMemFree:  1 kB\nMemAvailable:   23000000 kB\n";
-        assert_eq!(parse_meminfo_available(t), Some(23_000_000 * 1024));
-        assert_eq!(parse_meminfo_available("MemTotal: 1 kB\n"), None);
-    }
-
-    #[test]
-    fn reserved_pool_parse() {
-        let t = "MemAvailable: 9 kB\nHugePages_Total:    1300\nHugePages_Free:     1290\n\
-                 HugePages_Rsvd:        0\nHugepagesize:       2048 kB\n";
-        assert_eq!(parse_reserved_pool_free(t), Some(1290 * 2048 * 1024));
-        let none = t.replace("1290", "0");
-        assert_eq!(parse_reserved_pool_free(&none), Some(0));
-        // 1 GiB default pages are not what the buffers map
-        let gig = t.replace("2048 kB", "1048576 kB");
-        assert_eq!(parse_reserved_pool_free(&gig), None);
-        assert_eq!(parse_reserved_pool_free("MemTotal: 1 kB\n"), None);
-    }
-
-    /// A fake `/` (a temporary directory): `proc/self/cgroup`, `proc/meminfo`, cgroup files.
-    struct FakeRoot(tempfile::TempDir);
-
-    impl FakeRoot {
-        fn new(proc_cgroup: &str) -> FakeRoot {
-            let dir = tempfile::tempdir().expect("create a temporary fake root");
-            std::fs::create_dir_all(dir.path().join("proc/self")).expect("create proc/self");
-            std::fs::write(dir.path().join("proc/self/cgroup"), proc_cgroup)
-                .expect("write proc/self/cgroup");
-            std::fs::write(
-                dir.path().join("proc/meminfo"),
-                "MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n",
-            )
-            .expect("write proc/meminfo");
-            FakeRoot(dir)
-        }
-        fn path(&self) -> &Path {
-            self.0.path()
-        }
-        /// Write `files` (name, content) into the cgroup directory `rel` (created).
-        fn cgroup(&self, rel: &str, files: &[(&str, &str)]) -> &Self {
-            let d = self.path().join(rel);
-            std::fs::create_dir_all(&d).expect("create a fake cgroup dir");
-            for (name, text) in files {
-                std::fs::write(d.join(name), text).expect("write a fake cgroup file");
-            }
-            self
-        }
-    }
-
-    const MEM_AVAILABLE: u64 = 4_000_000 * 1024;
-    const V1_SENTINEL: &str = "9223372036854771712\n";
-    const HYBRID: &str = "9:name=systemd:/\n4:memory:/svc/job\n3:cpuset:/\n0::/\n";
-
-    #[test]
-    fn cgroup_v2_limit_is_the_headroom() {
-        let r = FakeRoot::new("0::/user.slice/job.scope\n");
-        r.cgroup(
-            "sys/fs/cgroup/user.slice/job.scope",
-            &[
-                ("memory.max", "1500000000\n"),
-                ("memory.current", "250000000\n"),
-            ],
-        );
-        let m = memory_limit_at(r.path());
-        let c = m.cgroup.clone().expect("a v2 limit");
-        assert_eq!(c.version, CgroupVersion::V2);
-        assert_eq!((c.limit_bytes, c.usage_bytes), (1_500_000_000, 250_000_000));
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/user.slice/job.scope"));
-        assert_eq!(m.mem_available_bytes, Some(MEM_AVAILABLE));
-        assert_eq!(m.bytes(), Some(1_250_000_000));
-        let line = m.report_line();
-        assert!(line.contains("the cgroup v2 headroom 1.25 GB"), "{line}");
-        assert!(line.contains("memory limit: 1.25 GB"), "{line}");
-    }
-
-    #[test]
-    fn cgroup_v2_max_is_no_limit_and_a_limited_parent_binds() {
-        let r = FakeRoot::new("0::/a/b\n");
-        let leaf = [("memory.max", "max\n"), ("memory.current", "100\n")];
-        r.cgroup("sys/fs/cgroup/a/b", &leaf)
-            .cgroup("sys/fs/cgroup/a", &leaf);
-        let m = memory_limit_at(r.path());
-        assert_eq!(m.cgroup, None);
-        assert_eq!(m.bytes(), Some(MEM_AVAILABLE), "MemAvailable alone");
-        assert!(
-            m.report_line()
-                .contains("= MemAvailable (no memory cgroup limit")
-        );
-        // a limit on the parent binds the child
-        r.cgroup(
-            "sys/fs/cgroup/a",
-            &[
-                ("memory.max", "3000000000"),
-                ("memory.current", "1000000000"),
-            ],
-        );
-        let c = cgroup_memory_at(r.path()).expect("the parent's limit");
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/a"));
-        assert_eq!(c.headroom(), 2_000_000_000);
-    }
-
-    #[test]
-    fn cgroup_v1_limit_when_v2_has_no_memory_controller() {
-        // hybrid hierarchy (this machine): `0::/` exists but v2 has no memory.max
-        let r = FakeRoot::new(HYBRID);
-        r.cgroup("sys/fs/cgroup", &[("cgroup.procs", "1\n")])
-            .cgroup(
-                "sys/fs/cgroup/memory/svc/job",
-                &[
-                    ("memory.limit_in_bytes", "1500000000\n"),
-                    ("memory.usage_in_bytes", "1400000000\n"),
-                ],
-            );
-        let c = cgroup_memory_at(r.path()).expect("a v1 limit");
-        assert_eq!(c.version, CgroupVersion::V1);
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory/svc/job"));
-        assert_eq!(c.headroom(), 100_000_000);
-        let m = memory_limit_at(r.path());
-        assert_eq!(m.bytes(), Some(100_000_000), "the cgroup is tighter");
-        assert!(
-            m.report_line()
-                .contains("cgroup v1 headroom 100.00 MB (limit 1.50 GB - usage 1.40 GB"),
-            "{}",
-            m.report_line()
-        );
-        // a combined controller list names memory too
-        let r2 = FakeRoot::new("3:cpu,memory:/x\n");
-        r2.cgroup(
-            "sys/fs/cgroup/memory/x",
-            &[
-                ("memory.limit_in_bytes", "2000"),
-                ("memory.usage_in_bytes", "500"),
-            ],
-        );
-        assert_eq!(
-            cgroup_memory_at(r2.path()).map(|c| c.headroom()),
-            Some(1500)
-        );
-    }
-
-    #[test]
-    fn cgroup_v1_unlimited_sentinel_is_no_limit() {
-        let r = FakeRoot::new(HYBRID);
-        let unlimited = [
-            ("memory.limit_in_bytes", V1_SENTINEL),
-            ("memory.usage_in_bytes", "8089194496\n"),
-        ];
-        r.cgroup("sys/fs/cgroup/memory/svc/job", &unlimited)
-            .cgroup("sys/fs/cgroup/memory/svc", &unlimited)
-            .cgroup("sys/fs/cgroup/memory", &unlimited);
-        assert_eq!(cgroup_memory_at(r.path()), None);
-        assert_eq!(memory_limit_at(r.path()).bytes(), Some(MEM_AVAILABLE));
-        // 64 KiB pages: PAGE_COUNTER_MAX x 65536 is also far above any real limit
-        r.cgroup(
-            "sys/fs/cgroup/memory/svc",
-            &[("memory.limit_in_bytes", "9223372036854710272")],
-        );
-        assert_eq!(cgroup_memory_at(r.path()), None);
-        // a real limit on an ancestor under unlimited leaves binds
-        r.cgroup(
-            "sys/fs/cgroup/memory/svc",
-            &[("memory.limit_in_bytes", "9000000000")],
-        );
-        let c = cgroup_memory_at(r.path()).expect("the ancestor's limit");
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory/svc"));
-        assert_eq!(c.headroom(), 9_000_000_000 - 8_089_194_496);
-    }
-
-    #[test]
-    fn cgroup_missing_files_are_no_limit() {
-        // no /proc/self/cgroup, no meminfo: nothing known
-        let r = FakeRoot::new("");
-        std::fs::remove_file(r.path().join("proc/self/cgroup")).expect("remove");
-        std::fs::remove_file(r.path().join("proc/meminfo")).expect("remove");
-        let m = memory_limit_at(r.path());
-        assert_eq!(m, MemoryLimit::default());
-        assert_eq!(m.bytes(), None);
-        assert!(
-            m.report_line().contains("check is skipped"),
-            "{}",
-            m.report_line()
-        );
-        // cgroup lines but no cgroup files at all
-        let r = FakeRoot::new(HYBRID);
-        assert_eq!(cgroup_memory_at(r.path()), None);
-        // a limit file without the usage file: usage counts as 0
-        r.cgroup(
-            "sys/fs/cgroup/memory/svc/job",
-            &[("memory.limit_in_bytes", "5000")],
-        );
-        assert_eq!(cgroup_memory_at(r.path()).map(|c| c.headroom()), Some(5000));
-        // garbage in the limit file is no limit, not a panic
-        r.cgroup(
-            "sys/fs/cgroup/memory/svc/job",
-            &[("memory.limit_in_bytes", "lots")],
-        );
-        assert_eq!(cgroup_memory_at(r.path()), None);
-    }
-
-    #[test]
-    fn cgroup_path_missing_under_the_mount_reads_the_mount_root() {
-        // a container sees the host's path in /proc/self/cgroup but mounts its own cgroup
-        let r = FakeRoot::new("4:memory:/docker/abc\n");
-        r.cgroup(
-            "sys/fs/cgroup/memory",
-            &[
-                ("memory.limit_in_bytes", "7000"),
-                ("memory.usage_in_bytes", "1000"),
-            ],
-        );
-        let c = cgroup_memory_at(r.path()).expect("the mount root's limit");
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup/memory"));
-        assert_eq!(c.headroom(), 6000);
-        // `..` in the path never walks out of the mount
-        let r = FakeRoot::new("0::/../../etc\n");
-        r.cgroup(
-            "sys/fs/cgroup",
-            &[("memory.max", "9000"), ("memory.current", "0")],
-        );
-        let c = cgroup_memory_at(r.path()).expect("the mount root");
-        assert_eq!(c.dir, r.path().join("sys/fs/cgroup"));
     }
 
     fn sizes_strategy() -> impl Strategy<Value = Vec<u64>> {

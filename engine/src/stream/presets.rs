@@ -3,8 +3,8 @@
 //! Owns: parsing preset TOML files (unknown keys refused), the six built-in presets shipped
 //! in `configs/presets/` (embedded at compile time so the binary works from any directory),
 //! and the `--list-presets` table.
-//! Must not: decide precedence between `--preset` and `--trunk-gb`/`--cache-gb` (the CLI
-//! applies "the later flag wins"), or plan memory (see `plan`).
+//! Must not: decide precedence between `--preset` and `--trunk-gb`/`--cache-gb` (the CLI's
+//! layering: an explicit budget wins over the preset's), or plan memory (see `plan`).
 //! Follows upstream: docs/DESIGN.md §5 (the table of presets with the seeds' numbers).
 
 use std::path::Path;
@@ -118,8 +118,8 @@ pub fn list_presets() -> Result<String, StreamError> {
     s.push_str(
         "All presets stream the trunk, so they need --trunk <packed_dir>; without it the whole \
          trunk is loaded resident and only the expert-cache budget applies (ultra's \
-         ultra-low-memory needs --trunk too).\nA later --trunk-gb / --cache-gb overrides the preset's number \
-         (the later flag wins).\n",
+         ultra-low-memory needs --trunk too).\n--trunk-gb / --cache-gb (or a run config's) override the preset's number; \
+         a bare preset name is looked for in ./configs/presets/ before these built-in copies.\n",
     );
     Ok(s)
 }

@@ -122,7 +122,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.dump_prompt_logits.is_some() {
         // the rows are held until the run ends: refused up front if they would crowd it out
         let bytes = prompt.len() as u64 * spec.vocab_size as u64 * 4;
-        if let Some(limit) = crate::stream::plan::memory_limit_bytes()
+        if let Some(limit) = crate::machine::memory_limit_bytes()
             && bytes > limit / 4
         {
             return Err(Failure::usage(format!(
@@ -192,7 +192,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::stream::plan::memory_limit();
+    let mem_limit = crate::machine::memory_limit();
     let mut session =
         crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
             .map_err(stream_failure)?;

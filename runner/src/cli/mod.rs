@@ -25,6 +25,7 @@ pub use k3_engine::model::KIMI_K3_MANIFEST;
 
 mod failure;
 mod generate;
+pub mod layering;
 mod pack_trunk;
 pub mod plugins_cmd;
 mod settings;
@@ -61,8 +62,11 @@ pub struct Cli {
 pub enum Command {
     /// Write a random checkpoint in the exact layout of the real release.
     Synth(SynthCli),
-    /// Print the execution plan for a checkpoint (layers, bytes, state, scratch).
+    /// Print the execution plan for a checkpoint (layers, bytes, state, scratch), or for a run
+    /// config (`plan --config FILE.toml`) without running it.
     Plan(PlanCli),
+    /// `config show`: the merged settings of a run, each with where it came from.
+    Config(layering::ConfigCli),
     /// Check the machine: memory, the preset to use, disk read bandwidth as the engine reads.
     Doctor(crate::doctor::DoctorArgs),
     /// Pack the dense trunk into one file (trunk.bin + trunk.json) for streaming, once (--check: compare a pack with the checkpoint).
@@ -79,6 +83,9 @@ pub enum Command {
     /// Classify every tensor (routed expert, shared expert, attention, embedding, other) and
     /// print the resident floor.
     Budget(crate::budget::BudgetArgs),
+    /// Fetch a model repository from the Hugging Face hub into a directory (resumable), then
+    /// verify it.
+    Download(crate::download::DownloadArgs),
 }
 
 /// Levenshtein distance of two short words (subcommand names).
@@ -160,26 +167,28 @@ pub fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    // Where each flag was given on the command line (a default value is not "given": a run
-    // config's `trunk_ring` must win over `--trunk-ring`'s default).
-    let given = |id: &str| {
-        (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
-            .then(|| matches.index_of(id))
-            .flatten()
-    };
-    cli.run.order = FlagOrder {
-        trunk_ring: given("trunk_ring"),
-        preset: given("preset"),
-        trunk_gb: given("trunk_gb"),
-        cache_gb: given("cache_gb"),
-    };
+    // One layering of every run setting (runconfig.rs): defaults < preset < --config <
+    // K3RUN_* < the flags given.
+    if cli.command.is_none()
+        && let Err(f) = layering::layer_run(&mut cli.run, &matches)
+    {
+        eprintln!("k3-run: error: {}", f.msg);
+        return ExitCode::from(f.code);
+    }
     // K3_ISA naming an unknown or unavailable path is a usage error, not a silent fallback.
     if let Err(e) = k3_kernels::isa::env_override() {
         eprintln!("k3-run: error: K3_ISA: {e}");
         return ExitCode::from(exit::USAGE);
     }
-    let r = match &cli.command {
-        Some(Command::Plan(p)) => plan_main(p),
+    let r = match &mut cli.command {
+        Some(Command::Plan(p)) => match matches.subcommand_matches("plan") {
+            Some(m) => layering::layer_run(&mut p.run, m).and_then(|_| plan_main(p)),
+            None => Err(Failure::usage("plan: no arguments")),
+        },
+        Some(Command::Config(c)) => match matches.subcommand_matches("config") {
+            Some(m) => layering::config_main(c, m),
+            None => Err(Failure::usage("config: expected `config show`")),
+        },
         Some(Command::Synth(s)) => match crate::synth::run(&s.clone().into()) {
             Ok(r) => {
                 println!(
@@ -202,6 +211,7 @@ pub fn main() -> ExitCode {
         Some(Command::Plugins(p)) => plugins_cmd::main(p),
         Some(Command::Verify(v)) => crate::verify::main(v),
         Some(Command::Budget(b)) => crate::budget::main(b),
+        Some(Command::Download(d)) => crate::download::main(d),
         None => run_main(&cli.run),
     };
     match r {

@@ -129,9 +129,10 @@ pub struct RunArgs {
     pub mem: MemArgs,
     #[command(flatten)]
     pub chat: crate::chat::ChatArgs,
-    /// Command-line positions of --preset / --trunk-gb / --cache-gb (filled by `main`).
+    /// Whether --trunk-gb / --trunk-ring (or a run config's, an environment variable's) was
+    /// given rather than a preset's or the default (filled by the layering).
     #[arg(skip)]
-    pub order: FlagOrder,
+    pub trunk_flags_given: bool,
     /// Number of tokens to generate (max 4096).
     #[arg(long = "gen", default_value_t = 8)]
     pub n_gen: usize,
@@ -227,53 +228,23 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
     ids.map_err(|e| Failure::usage(e.to_string()))
 }
 
-/// Where --preset, --trunk-gb and --cache-gb appeared on the command line (later wins).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct FlagOrder {
-    pub trunk_ring: Option<usize>,
-    pub preset: Option<usize>,
-    pub trunk_gb: Option<usize>,
-    pub cache_gb: Option<usize>,
-}
-
-pub(crate) fn later(flag: Option<(usize, f64)>, preset: Option<(usize, f64)>) -> Option<f64> {
-    match (flag, preset) {
-        (Some((fi, f)), Some((pi, p))) => Some(if fi > pi { f } else { p }),
-        (Some((_, f)), None) => Some(f),
-        (None, Some((_, p))) => Some(p),
-        (None, None) => None,
-    }
-}
-
-/// Resolve the memory flags into settings (budgets: the later of preset and flag wins).
+/// The memory settings of a run. The preset's budgets are already merged into `a.mem` by the
+/// layering (runconfig.rs: a flag or a run config wins over the preset); the preset is read
+/// again here only for its note.
 pub fn memory_settings(
     a: &RunArgs,
 ) -> Result<(crate::session::MemorySettings, Vec<String>), Failure> {
     use crate::stream::{gb_to_bytes, io_policy, presets};
     let m = &a.mem;
     let mut notes = Vec::new();
-    let rc = run_config(a)?;
-    if let Some(rc) = &rc {
-        notes.push(format!("run config {}: {}", rc.name, rc.note));
+    if let (Some(c), Ok(Some(_))) = (&a.config, super::layering::run_config_path(a)) {
+        notes.push(format!("run config {}", c.display()));
     }
-    let preset_name = m
-        .preset
-        .clone()
-        .or_else(|| rc.as_ref().and_then(|r| r.preset.clone()));
-    let preset = match &preset_name {
+    let preset = match &m.preset {
         Some(p) => Some(presets::load_preset(p).map_err(|e| Failure::usage(e.to_string()))?),
         None => None,
     };
-    let ord = a.order;
-    let pi = ord.preset.unwrap_or(0);
-    let trunk_gb = later(
-        m.trunk_gb.map(|v| (ord.trunk_gb.unwrap_or(1), v)),
-        preset.as_ref().map(|p| (pi, p.trunk_gb)),
-    );
-    let cache_gb = later(
-        m.cache_gb.map(|v| (ord.cache_gb.unwrap_or(1), v)),
-        preset.as_ref().map(|p| (pi, p.cache_gb)),
-    );
+    let (trunk_gb, cache_gb) = (m.trunk_gb, m.cache_gb);
     if let Some(p) = &preset {
         let streamed = m.trunk.is_some();
         notes.push(format!(
@@ -322,10 +293,7 @@ pub fn memory_settings(
             .transpose()
             .map_err(|e| Failure::usage(e.to_string()))
     };
-    let io_name =
-        m.io.clone()
-            .or_else(|| rc.as_ref().map(|r| r.io.clone()))
-            .unwrap_or_else(|| "direct".to_string());
+    let io_name = m.io.clone().unwrap_or_else(|| "direct".to_string());
     let io = io_policy::load_io_policy(&io_name).map_err(|e| Failure::usage(e.to_string()))?;
     let settings = crate::session::MemorySettings {
         trunk_dir: m.trunk.clone(),
@@ -335,17 +303,13 @@ pub fn memory_settings(
             None
         },
         cache_budget_bytes: to_bytes(cache_gb, "--cache-gb")?,
-        ring_slots: match (a.order.trunk_ring, rc.as_ref().and_then(|r| r.trunk_ring)) {
-            (None, Some(0)) => {
+        ring_slots: match m.trunk_ring {
+            0 => {
                 return Err(Failure::usage(
-                    "the run config's trunk_ring is 0: it must be at least 1",
+                    "trunk_ring 0 (--trunk-ring or a run config): it must be at least 1",
                 ));
             }
-            (None, Some(n)) => n,
-            _ if m.trunk_ring == 0 => {
-                return Err(Failure::usage("--trunk-ring 0: it must be at least 1"));
-            }
-            _ => m.trunk_ring,
+            n => n,
         },
         ultra_low_memory: m.ultra_low_memory
             || preset
@@ -362,7 +326,7 @@ pub fn memory_settings(
         expert_prefetch_auto: m.expert_prefetch.is_none(),
     };
     // Flags that would be silently ignored by these settings are refused.
-    if settings.trunk_dir.is_none() && (m.trunk_gb.is_some() || a.order.trunk_ring.is_some()) {
+    if settings.trunk_dir.is_none() && a.trunk_flags_given {
         return Err(Failure::usage(
             "--trunk-gb and --trunk-ring size a packed trunk's memory: add --trunk DIR (from \
              `k3-run pack-trunk`); without it the trunk is resident",
@@ -425,117 +389,6 @@ pub fn check_trunk_dir(dir: &Path) -> Result<(), Failure> {
     }
 }
 
-/// What a file given to `--config` holds, judged from its text (for the error that says which
-/// flag it belongs to).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ConfigKind {
-    /// JSON: a model config.json.
-    ModelJson,
-    /// TOML with `manifest` / `io` / `preset`: a run config (`configs/*.toml`).
-    RunToml,
-    /// TOML with `family` / `[config]` / `[pins]` / `[[tensors]]`: a model manifest.
-    ManifestToml,
-    /// Unreadable or anything else.
-    Other,
-}
-
-pub(crate) fn config_kind(path: &Path) -> ConfigKind {
-    let Ok(text) = k3_models::load::read_regular_file(path) else {
-        return ConfigKind::Other;
-    };
-    if serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| v.is_object()) {
-        return ConfigKind::ModelJson;
-    }
-    let Ok(t) = text.parse::<toml::Table>() else {
-        return ConfigKind::Other;
-    };
-    if ["manifest", "io", "preset"]
-        .iter()
-        .any(|k| t.contains_key(*k))
-    {
-        ConfigKind::RunToml
-    } else if ["family", "config", "pins", "tensors"]
-        .iter()
-        .any(|k| t.contains_key(*k))
-    {
-        ConfigKind::ManifestToml
-    } else {
-        ConfigKind::Other
-    }
-}
-
-/// `plan --config FILE`: the model's config.json. A run config or a manifest (TOML) is refused
-/// up front, saying what the flag expects and which flag the file belongs to.
-pub(crate) fn check_plan_config(path: &Path) -> Result<(), Failure> {
-    let toml_name = path.extension().is_some_and(|e| e == "toml");
-    let kind = config_kind(path);
-    let what = match kind {
-        ConfigKind::RunToml => "a run config (TOML)",
-        ConfigKind::ManifestToml => "a model manifest (TOML)",
-        ConfigKind::Other if toml_name => "a .toml file",
-        _ => return Ok(()),
-    };
-    let hint = match kind {
-        ConfigKind::ManifestToml => format!("give it with `plan --manifest {}`", path.display()),
-        ConfigKind::RunToml => {
-            let (manifest, preset) = match crate::runconfig::RunConfig::load(path) {
-                Ok(rc) => (
-                    rc.manifest.display().to_string(),
-                    rc.preset.unwrap_or_else(|| "NAME".into()),
-                ),
-                Err(_) => ("MANIFEST.toml".into(), "NAME".into()),
-            };
-            format!(
-                "a run config belongs to a run's --config (`k3-run MODEL_DIR --config FILE.toml \
-                 ...`); to plan with its manifest give `plan --manifest {manifest}`, and its \
-                 preset with `plan --trunk DIR --preset {preset}`"
-            )
-        }
-        _ => "a run config (.toml) belongs to a run's --config (`k3-run MODEL_DIR --config \
-              FILE.toml ...`), a model manifest to --manifest"
-            .to_string(),
-    };
-    Err(Failure::usage(format!(
-        "plan --config {}: expects the model's config.json (JSON), but this is {what}: {hint}",
-        path.display()
-    )))
-}
-
-/// `--config FILE.toml` is a run config (manifest + preset + I/O policy); `--config FILE.json`
-/// (or any other name) is the model's config.json (docs/DESIGN.md §6). A file given under the
-/// other kind's name (a run config not named .toml, a manifest or a config.json named .toml) is
-/// refused saying what the flag expects and which flag the file belongs to.
-pub fn run_config(a: &RunArgs) -> Result<Option<crate::runconfig::RunConfig>, Failure> {
-    let Some(p) = &a.config else {
-        return Ok(None);
-    };
-    let toml_name = p.extension().is_some_and(|e| e == "toml");
-    let expects = "--config takes a run config named *.toml (configs/*.toml: manifest + preset + \
-                   I/O policy) or the model's config.json (any other name)";
-    match (toml_name, config_kind(p)) {
-        (_, ConfigKind::ManifestToml) => Err(Failure::usage(format!(
-            "--config {}: this is a model manifest (TOML); {expects}: give a manifest with \
-             --manifest {}",
-            p.display(),
-            p.display()
-        ))),
-        (true, ConfigKind::ModelJson) => Err(Failure::usage(format!(
-            "--config {}: this is JSON (a model config.json) but the name ends in .toml; \
-             {expects}: rename it to .json",
-            p.display()
-        ))),
-        (false, ConfigKind::RunToml) => Err(Failure::usage(format!(
-            "--config {}: this is a run config (TOML) but the name does not end in .toml, so it \
-             would be read as the model's config.json; {expects}: rename it to .toml",
-            p.display()
-        ))),
-        (true, _) => crate::runconfig::RunConfig::load(p)
-            .map(Some)
-            .map_err(|e| Failure::usage(e.to_string())),
-        (false, _) => Ok(None),
-    }
-}
-
 /// The model spec for a run: manifest from --manifest, else the run config's, else built in;
 /// config.json from --config FILE.json, else MODEL_DIR/config.json.
 /// The checkpoint's files come with the spec (see [`load_spec_files`]).
@@ -543,15 +396,11 @@ pub(crate) fn run_spec_files(
     a: &RunArgs,
     model_dir: &Path,
 ) -> Result<(ModelSpec, Option<Checkpoint>), Failure> {
-    let rc = run_config(a)?;
-    let manifest = a
-        .manifest
-        .clone()
-        .or_else(|| rc.as_ref().map(|r| r.manifest.clone()));
-    let config = if rc.is_some() {
-        None
-    } else {
-        a.config.as_deref()
+    let manifest = a.manifest.clone();
+    // --config names the model's config.json unless it is a run config (already merged)
+    let config = match super::layering::run_config_path(a)? {
+        Some(_) => None,
+        None => a.config.as_deref(),
     };
     let (spec, files) = load_spec_files(model_dir, manifest.as_deref(), config)?;
     match a.layers {
@@ -631,7 +480,14 @@ pub(crate) fn check_states_and_chunk(
     limit: Option<u64>,
 ) -> Result<String, Failure> {
     let check = |plan: &Plan| {
-        crate::session::check_states(plan, positions, sequences, session.planned_bytes, limit)
+        crate::session::check_states(
+            plan,
+            positions,
+            sequences,
+            session.planned_bytes,
+            session.mapped_embedding,
+            limit,
+        )
     };
     if a.prefill_chunk.is_none() && !session.trunk_in_ram {
         plan.prefill_chunk = STREAMED_PREFILL_CHUNK;
@@ -657,17 +513,22 @@ pub(crate) fn with_prefill_chunk(a: &RunArgs, mut plan: Plan) -> Result<Plan, Fa
 }
 
 pub fn run_threads(a: &RunArgs) -> Result<usize, Failure> {
-    let rc = run_config(a)?;
-    let (n, from) = match (a.threads, rc.and_then(|r| r.threads)) {
-        (Some(n), _) => (n, "--threads"),
-        (None, Some(n)) => (n, "the run config's threads"),
-        (None, None) => return Ok(default_threads().max(1)),
+    let Some(n) = a.threads else {
+        return Ok(default_threads().max(1));
     };
+    let from = "threads (--threads, K3RUN_THREADS or a run config)";
     if !(1..=MAX_THREADS).contains(&n) {
         return Err(Failure::usage(format!(
             "{from}: {n} threads; must be in 1..={MAX_THREADS} (this machine has {} CPUs)",
             default_threads()
         )));
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n > cpus {
+        eprintln!(
+            "warning: {n} threads on {cpus} CPUs: the extra threads wait for a CPU (the output \
+             is the same; the time is not better than with {cpus})"
+        );
     }
     Ok(n)
 }
@@ -731,7 +592,7 @@ pub(crate) fn load_model<'c>(
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::stream::plan::memory_limit();
+    let mem_limit = crate::machine::memory_limit();
     let session = crate::session::build_with(spec, ckpt, &plan, settings, resident_mode(&a.mem)?)
         .map_err(stream_failure)?;
     eprintln!("memory plan:");

@@ -1,46 +1,33 @@
 use super::*;
 
+/// Arguments of `k3-run plan`: everything a run takes (a run config, a preset, budgets, the
+/// trunk; merged by the same layering), and what to print.
 #[derive(Args, Debug)]
 pub struct PlanCli {
-    /// Checkpoint directory.
-    pub model_dir: PathBuf,
-    /// Model manifest (default: the built-in kimi-k3 manifest).
+    /// Context length to plan the decode state for (default: the run's --max-context, else
+    /// 4096).
     #[arg(long)]
-    pub manifest: Option<PathBuf>,
-    /// The model's config.json (JSON; default MODEL_DIR/config.json). Not a run config
-    /// (.toml): plan takes a run config's manifest with --manifest.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Context length to plan the KV cache for.
-    #[arg(long, default_value_t = 4096)]
-    pub positions: usize,
+    pub positions: Option<usize>,
     /// Print the plan as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Also plan this packed trunk (pack-trunk's output) at `--trunk-gb` or a preset's trunk
-    /// budget: pinned layers, ring slots or shared ring, layers read ahead. Nothing is read
-    /// but trunk.json.
-    #[arg(long)]
-    pub trunk: Option<PathBuf>,
-    /// Trunk budget in GB for `--trunk` (fractions allowed; wins over `--preset`).
-    #[arg(long, requires = "trunk")]
-    pub trunk_gb: Option<f64>,
-    /// A preset whose trunk budget to plan `--trunk` at.
-    #[arg(long, requires = "trunk")]
-    pub preset: Option<String>,
-    /// Ring slots asked for (default 2; the budget wins).
-    #[arg(long, requires = "trunk", default_value_t = 2)]
-    pub trunk_ring: usize,
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
+/// `plan`: the layered run arguments are in `p.run` (see [`super::layering::layer_run`]).
 pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
-    if let Some(c) = &p.config {
-        check_plan_config(c)?;
-    }
-    let spec = load_spec(&p.model_dir, p.manifest.as_deref(), p.config.as_deref())?;
-    let plan = Plan::new(&spec, p.positions);
-    let trunk_plan = match &p.trunk {
-        Some(dir) => Some(plan_packed_trunk(p, dir, &spec)?),
+    let a = &p.run;
+    let model_dir = a.model_dir.as_deref().ok_or_else(|| {
+        Failure::usage(
+            "plan needs a checkpoint directory: MODEL_DIR, a run config's `model`, or K3RUN_MODEL",
+        )
+    })?;
+    let (spec, _files) = run_spec_files(a, model_dir)?;
+    let positions = p.positions.or(a.max_context).unwrap_or(4096);
+    let plan = Plan::new(&spec, positions);
+    let trunk_plan = match &a.mem.trunk {
+        Some(dir) => Some(plan_packed_trunk(a, dir, &spec)?),
         None => None,
     };
     if p.json {
@@ -75,10 +62,10 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
     Ok(exit::OK)
 }
 
-/// `plan --trunk DIR`: the trunk memory plan at `--trunk-gb` (or the preset's budget), and
-/// the packed trunk's manifest.
+/// `plan --trunk DIR`: the trunk memory plan at the merged trunk budget (`--trunk-gb`, a run
+/// config's, or the preset's), and the packed trunk's manifest.
 pub(crate) fn plan_packed_trunk(
-    p: &PlanCli,
+    a: &RunArgs,
     dir: &Path,
     spec: &ModelSpec,
 ) -> Result<
@@ -89,24 +76,14 @@ pub(crate) fn plan_packed_trunk(
     Failure,
 > {
     check_trunk_dir(dir)?;
-    let gb = match (p.trunk_gb, &p.preset) {
-        (Some(g), _) => g,
-        (None, Some(name)) => {
-            crate::stream::presets::load_preset(name)
-                .map_err(|e| Failure::usage(e.to_string()))?
-                .trunk_gb
-        }
-        (None, None) => {
-            return Err(Failure::usage(
-                "plan --trunk needs a budget: --trunk-gb GB or --preset NAME",
-            ));
-        }
-    };
+    let gb = a.mem.trunk_gb.ok_or_else(|| {
+        Failure::usage("plan --trunk needs a budget: --trunk-gb GB or --preset NAME")
+    })?;
     let budget =
         crate::stream::gb_to_bytes(gb, "--trunk-gb").map_err(|e| Failure::usage(e.to_string()))?;
     let m = crate::stream::pack::TrunkManifest::load(dir, spec)
         .map_err(|e| Failure::usage(e.to_string()))?;
-    let plan = crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, p.trunk_ring)
+    let plan = crate::stream::plan::plan_trunk(&m.layer_sizes(), budget, a.mem.trunk_ring)
         .map_err(|e| Failure::usage(e.to_string()))?;
     Ok((plan, m))
 }

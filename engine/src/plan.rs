@@ -353,7 +353,7 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  decode state   {:>12.3} MB fixed (KDA) + {:.3} MB per position (MLA KV); {} positions max",
+            "  decode state   {:>12.3} MB fixed (KDA) + {:.3} MB per position (MLA latent cache); {} positions max",
             self.state_bytes() as f64 / 1e6,
             self.kv_bytes_per_position() as f64 / 1e6,
             self.max_positions

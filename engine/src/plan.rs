@@ -47,12 +47,8 @@ impl BufferSizes {
     pub fn pass_work_per_token(&self) -> usize {
         let head_dim = self.kda_channels.checked_div(self.kda_heads).unwrap_or(0);
         let kda = 8 * self.kda_channels + self.kda_gate_rank + self.kda_heads + head_dim;
-        let mla = 2 * self.mla_q_lora
-            + self.mla_q
-            + self.mla_ckv
-            + self.mla_kv_lora
-            + self.mla_kv
-            + 2 * self.mla_out;
+        let mla =
+            2 * self.mla_q_lora + self.mla_q + self.mla_ckv + self.mla_kv_lora + 2 * self.mla_out;
         let ffn = 3 * self.max_ff;
         let moe = 3 * self.max_ff + self.n_experts + 2 * self.moe_latent;
         kda.max(mla).max(ffn).max(moe)
@@ -199,8 +195,8 @@ impl Plan {
                         .mla
                         .as_ref()
                         .expect("validated: MLA layers have an MlaSpec");
-                    lp.kv_bytes_per_position =
-                        f * (m.n_heads * (m.d_nope + m.d_v) + m.d_rope) as u64;
+                    // the latent cache: normalised c_kv and the shared k_rope
+                    lp.kv_bytes_per_position = f * (m.kv_lora_rank + m.d_rope) as u64;
                 }
             }
         }
@@ -357,7 +353,7 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  decode state   {:>12.3} MB fixed (KDA) + {:.3} MB per position (MLA KV); {} positions max",
+            "  decode state   {:>12.3} MB fixed (KDA) + {:.3} MB per position (MLA latent cache); {} positions max",
             self.state_bytes() as f64 / 1e6,
             self.kv_bytes_per_position() as f64 / 1e6,
             self.max_positions

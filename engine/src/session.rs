@@ -19,7 +19,7 @@ use crate::resident::{
 use crate::stream::experts::{ExpertCache, ExpertCacheOptions};
 use crate::stream::global::{GlobalOptions, StreamedGlobal};
 use crate::stream::io_policy::{IoPolicy, TrunkIo};
-use crate::stream::plan::{StateMemory, check_state_memory};
+use crate::stream::plan::{PlanError, StateMemory, check_state_memory};
 use crate::stream::trunk::{MmapTrunk, StreamedTrunk, TrunkOptions};
 use crate::stream::{StreamError, fmt_bytes};
 
@@ -403,7 +403,7 @@ pub fn check_states(
         String::new()
     };
     let mut line = format!(
-        "decode state{per}: {} fixed (KDA) + {} per position (MLA KV) x {} positions + {} for \
+        "decode state{per}: {} fixed (KDA) + {} per position (MLA latent cache) x {} positions + {} for \
          prompt chunks of {} = {}",
         fmt_bytes(plan.state_bytes() * n),
         fmt_bytes(state.bytes_per_position),
@@ -422,9 +422,160 @@ pub fn check_states(
         ));
     }
     if let Some(limit) = limit {
-        check_state_memory(&state, planned_bytes, limit)?;
+        check_state_memory(&state, planned_bytes, limit).map_err(|e| match e {
+            PlanError::StateTooBig { .. } => StreamError::Plan(e.with_longest(longest_context(
+                plan,
+                sequences,
+                planned_bytes.saturating_sub(embed),
+                mapped_embedding,
+                limit,
+            ))),
+            e => StreamError::Plan(e),
+        })?;
     }
     Ok(line)
+}
+
+/// The most positions [`check_states`] plans for: beyond it a context is "no limit" (a model
+/// without MLA layers, whose state does not grow with the context).
+pub const CONTEXT_SEARCH_MAX: usize = 1 << 40;
+
+/// The longest context (positions per sequence) whose decode state [`check_states`] accepts
+/// next to `planned_bytes` (without the embedding rows: they are counted here, per position,
+/// when `mapped_embedding`) in `limit` bytes; 0 when not even one position fits,
+/// [`CONTEXT_SEARCH_MAX`] when the state does not grow with positions.
+pub fn longest_context(
+    plan: &Plan,
+    sequences: usize,
+    planned_bytes: u64,
+    mapped_embedding: bool,
+    limit: u64,
+) -> usize {
+    let n = sequences.max(1) as u64;
+    let fits = |positions: usize| {
+        let embed = if mapped_embedding {
+            plan.embed_touched_bytes(positions.saturating_mul(n as usize))
+        } else {
+            0
+        };
+        let state = StateMemory {
+            bytes_per_position: plan.kv_bytes_per_position() * n,
+            fixed_bytes: plan.state_bytes() * n + plan.prefill_bytes(),
+            positions,
+        };
+        check_state_memory(&state, planned_bytes.saturating_add(embed), limit).is_ok()
+    };
+    if !fits(1) {
+        return 0;
+    }
+    let (mut lo, mut hi) = (1usize, CONTEXT_SEARCH_MAX);
+    if fits(hi) {
+        return hi;
+    }
+    // fits(lo) and !fits(hi): the state grows monotonically with positions
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) { lo = mid } else { hi = mid }
+    }
+    lo
+}
+
+/// The memory (GB, 1e9 bytes) of the machine class each built-in preset is for: the
+/// `MemAvailable` at which `k3-run doctor` picks it (laptop 10, desktop 32, workstation 96,
+/// server 192), the 8 GB class ultra's streamed embedding and lm_head are for, and 256 GB for
+/// max (its ~224 GB peak RSS on real K3). `k3-run plan` plans each preset's longest context
+/// in this memory.
+pub const PRESET_MEMORY_GB: [(&str, f64); 6] = [
+    ("ultra", 8.0),
+    ("laptop", 10.0),
+    ("desktop", 32.0),
+    ("workstation", 96.0),
+    ("server", 192.0),
+    ("max", 256.0),
+];
+
+/// One row of `k3-run plan`'s longest-context table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PresetContext {
+    pub preset: String,
+    /// Memory of the preset's machine class ([`PRESET_MEMORY_GB`]).
+    pub memory_bytes: u64,
+    /// What the preset plans for weights: trunk (pinned prefix and ring), expert cache and
+    /// global tensors (lm_head and final norms, or ultra's streaming buffers).
+    pub planned_bytes: u64,
+    /// Longest context of one sequence ([`longest_context`]); `None` when the preset's trunk
+    /// budget cannot hold one ring slot of this model.
+    pub longest: Option<usize>,
+}
+
+/// The longest context each built-in preset holds for `plan`'s model: its budgets as a run
+/// with `--trunk` plans them ([`build_with`]: trunk plan with 2 ring slots, the expert cache
+/// up to every expert, lm_head and final norms whole with the embedding read through the map,
+/// or ultra's 64 MiB lm_head chunk and row buffers), in [`PRESET_MEMORY_GB`].
+pub fn preset_contexts(plan: &Plan) -> Result<Vec<PresetContext>, StreamError> {
+    let sizes: Vec<u64> = plan.layers.iter().map(|l| l.trunk_bytes).collect();
+    let mut out = Vec::new();
+    for p in crate::stream::presets::builtin_presets()? {
+        let Some(&(_, gb)) = PRESET_MEMORY_GB.iter().find(|(n, _)| *n == p.name) else {
+            continue;
+        };
+        let memory = (gb * 1e9) as u64;
+        let trunk = match crate::stream::plan::plan_trunk(&sizes, p.trunk_bytes()?, 2) {
+            Ok(t) => t.planned_bytes(),
+            Err(_) => {
+                out.push(PresetContext {
+                    preset: p.name.clone(),
+                    memory_bytes: memory,
+                    planned_bytes: 0,
+                    longest: None,
+                });
+                continue;
+            }
+        };
+        let experts = p.cache_bytes()?.min(plan.expert_bytes());
+        let lm_head = plan.global_bytes.saturating_sub(plan.embed_bytes);
+        let (global, mapped) = if p.ultra_low_memory {
+            let chunk = GlobalOptions::default().chunk_bytes as u64;
+            (lm_head.min(chunk) + plan.embed_row_bytes, false)
+        } else {
+            (lm_head, true)
+        };
+        let planned = trunk + experts + global;
+        out.push(PresetContext {
+            preset: p.name.clone(),
+            memory_bytes: memory,
+            planned_bytes: planned,
+            longest: Some(longest_context(plan, 1, planned, mapped, memory)),
+        });
+    }
+    Ok(out)
+}
+
+/// `k3-run plan`'s table of [`preset_contexts`].
+pub fn preset_context_lines(plan: &Plan, rows: &[PresetContext]) -> Vec<String> {
+    let mut v = vec![format!(
+        "longest context per preset (planned: one sequence, the preset's budgets with --trunk, \
+         in the memory of its machine class; {} per position of MLA cache, {} fixed state \
+         and {} for prompt chunks):",
+        fmt_bytes(plan.kv_bytes_per_position()),
+        fmt_bytes(plan.state_bytes()),
+        fmt_bytes(plan.prefill_bytes())
+    )];
+    for r in rows {
+        let what = match r.longest {
+            None => "the trunk budget cannot hold one ring slot of this model".to_string(),
+            Some(0) => "not one position: the weights' budgets leave no room".to_string(),
+            Some(CONTEXT_SEARCH_MAX) => "no limit (the state does not grow)".to_string(),
+            Some(n) => format!("{n} positions"),
+        };
+        v.push(format!(
+            "  {:<12} {:>4.0} GB machine, {:>10} planned for weights: {what}",
+            r.preset,
+            r.memory_bytes as f64 / 1e9,
+            fmt_bytes(r.planned_bytes)
+        ));
+    }
+    v
 }
 
 /// Refuse a packed trunk at `dir` whose layers were not packed from `ckpt` (each bound
@@ -482,6 +633,72 @@ mod tests {
         let synth = crate::synth::spec::SynthSpec::load(&path).expect("k3-wide spec");
         let (_, spec) = crate::synth::config_and_spec(&synth, None).expect("k3-wide model");
         Plan::new(&spec, positions)
+    }
+
+    #[test]
+    fn latent_mla_cache_is_over_40x_smaller_at_release_widths() {
+        let plan = k3_wide_plan(6);
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/synth/k3-wide.toml");
+        let synth = crate::synth::spec::SynthSpec::load(&path).expect("k3-wide spec");
+        let (_, spec) = crate::synth::config_and_spec(&synth, None).expect("k3-wide model");
+        let m = spec.mla.as_ref().expect("MLA");
+        let n_mla = plan
+            .layers
+            .iter()
+            .filter(|l| l.attn == k3_models::spec::AttnKind::Mla)
+            .count() as u64;
+        let expanded = n_mla * 4 * (m.n_heads * (m.d_nope + m.d_v) + m.d_rope) as u64;
+        let latent = plan.kv_bytes_per_position();
+        assert_eq!(latent, n_mla * 4 * (m.kv_lora_rank + m.d_rope) as u64);
+        assert!(expanded >= 40 * latent, "{expanded} vs {latent}");
+    }
+
+    #[test]
+    fn longest_context_is_the_last_one_check_states_accepts() {
+        let plan = k3_wide_plan(6);
+        let planned = 5_000_000_000u64;
+        for (limit, seqs, mapped) in [
+            (7_000_000_000u64, 1, true),
+            (7_000_000_000, 3, true),
+            (9_500_000_000, 1, false),
+        ] {
+            let n = longest_context(&plan, seqs, planned, mapped, limit);
+            assert!(n > 1000 && n < CONTEXT_SEARCH_MAX, "{n}");
+            assert!(check_states(&plan, n, seqs, planned, mapped, Some(limit)).is_ok());
+            let e = check_states(&plan, n + 1, seqs, planned, mapped, Some(limit))
+                .expect_err("one more position does not fit");
+            assert!(
+                e.to_string()
+                    .contains(&format!("the longest context that fits is {n} positions")),
+                "{e}"
+            );
+        }
+        assert_eq!(longest_context(&plan, 1, planned, true, planned), 0);
+    }
+
+    #[test]
+    fn every_preset_plans_its_longest_context() {
+        let plan = k3_wide_plan(6);
+        let rows = preset_contexts(&plan).expect("presets");
+        assert_eq!(rows.len(), PRESET_MEMORY_GB.len());
+        for r in &rows {
+            let n = r
+                .longest
+                .expect("every preset holds a ring slot at release widths");
+            let mapped = r.preset != "ultra";
+            let lim = Some(r.memory_bytes);
+            assert!(check_states(&plan, n, 1, r.planned_bytes, mapped, lim).is_ok());
+            assert!(check_states(&plan, n + 1, 1, r.planned_bytes, mapped, lim).is_err());
+        }
+        // the laptop holds a long conversation
+        let at = |name: &str| rows.iter().find(|r| r.preset == name).unwrap().longest;
+        assert!(at("laptop").unwrap() >= 16_384, "{rows:?}");
+        let text = preset_context_lines(&plan, &rows).join("\n");
+        assert!(
+            text.contains(&format!("{} positions", at("server").unwrap())),
+            "{text}"
+        );
     }
 
     #[test]

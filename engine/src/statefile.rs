@@ -3,12 +3,14 @@
 //! continue many times). docs/DESIGN.md §6.
 //!
 //! Owns: the file format. Must not: compute. The state is the executor's own f32 state
-//! (KDA conv windows + recurrent state, MLA KV cache), written bit for bit, so a resumed run
+//! (KDA conv windows + recurrent state, MLA latent cache), written bit for bit, so a resumed run
 //! gives the same ids and logit bits as one that fed the whole prompt at once (tested).
 //!
-//! Format (little-endian): magic `K3STATE\0`, u32 version (1), u32 header length, the JSON
+//! Format (little-endian): magic `K3STATE\0`, u32 version (2), u32 header length, the JSON
 //! header ([`Header`]), then per layer in order: KDA `conv_q, conv_k, conv_v, s`; MLA
-//! `k_nope, k_rope, v`; each as u64 element count + f32 values.
+//! `c_kv, k_rope` (the latent cache: `[n_pos, kv_lora]`, `[n_pos, d_rope]`); each as u64
+//! element count + f32 values. Version 1 files held the expanded MLA cache (`k_nope, k_rope,
+//! v`), which this build cannot continue from bit for bit: they are refused.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -18,7 +20,7 @@ use k3_models::spec::{AttnKind, ModelSpec};
 use crate::exec::{KdaState, LayerState, MlaState, SeqState};
 
 const MAGIC: &[u8; 8] = b"K3STATE\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// What the state belongs to; checked on load.
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -112,9 +114,8 @@ pub fn save(
                 put(&mut buf, &k.s);
             }
             LayerState::Mla(m) => {
-                put(&mut buf, &m.k_nope);
+                put(&mut buf, &m.c_kv);
                 put(&mut buf, &m.k_rope);
-                put(&mut buf, &m.v);
             }
         }
     }
@@ -201,6 +202,12 @@ pub fn load(
         return Err(r.bad("not a k3-run state file (bad magic)"));
     }
     let v = r.u32()?;
+    if v == 1 {
+        return Err(r.bad(
+            "version 1 (an expanded MLA cache); this build keeps the latent MLA cache and reads \
+             only version 2: save the state again with this build (--save-state)",
+        ));
+    }
     if v != VERSION {
         return Err(r.bad(format!("version {v}, this build reads {VERSION}")));
     }
@@ -253,9 +260,8 @@ pub fn load(
                     .as_ref()
                     .expect("validated: MLA layers have an MlaSpec");
                 layers.push(LayerState::Mla(MlaState {
-                    k_nope: r.vec(h.n_pos * m.n_heads * m.d_nope, &what("k_nope"))?,
+                    c_kv: r.vec(h.n_pos * m.kv_lora_rank, &what("c_kv"))?,
                     k_rope: r.vec(h.n_pos * m.d_rope, &what("k_rope"))?,
-                    v: r.vec(h.n_pos * m.n_heads * m.d_v, &what("v"))?,
                 }));
             }
             _ => return Err(r.bad(format!("layer {i}: kind differs from the model"))),

@@ -249,19 +249,19 @@ fn bench_ops(isas: &[Isa], pools: [&Pool; 2], reps: usize) {
         d_nope: 128,
         d_rope: 64,
         d_v: 128,
+        kv_lora: 512,
         n_pos,
         scale: 0.072,
     };
     let mq = vals(96 * 192, 11, 1.0);
-    let kn = vals(n_pos * 96 * 128, 12, 1.0);
-    let kr = vals(n_pos * 64, 13, 1.0);
-    let mv = vals(n_pos * 96 * 128, 14, 1.0);
+    let w_kv_b = fill_u16(96 * 256 * 512, 12);
+    let ckv = vals(n_pos * 512, 13, 1.0);
+    let kr = vals(n_pos * 64, 14, 1.0);
     let cache = MlaCache {
-        k_nope: &kn,
+        c_kv: &ckv,
         k_rope: &kr,
-        v: &mv,
     };
-    let mut sc = vec![0.0f32; 96 * n_pos];
+    let mut sc = vec![0.0f32; shape.work_len()];
     let mut mo = vec![0.0f32; 96 * 128];
     let logits = vals(896, 15, 3.0);
     let bias = vals(896, 16, 0.3);
@@ -329,7 +329,7 @@ fn bench_ops(isas: &[Isa], pools: [&Pool; 2], reps: usize) {
         );
         let t = pools.map(|p| {
             time_us(reps, || {
-                mla_attend_with(isa, p, &shape, &mq, &cache, &mut sc, &mut mo)
+                mla_attend_with(isa, p, &shape, &mq, &w_kv_b, &cache, &mut sc, &mut mo)
             })
         });
         println!(

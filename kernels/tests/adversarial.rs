@@ -374,27 +374,35 @@ fn mla() {
             d_nope: n(case, "d_nope"),
             d_rope: n(case, "d_rope"),
             d_v: n(case, "d_v"),
+            kv_lora: n(case, "kv_lora"),
             n_pos: n(case, "n_pos"),
             scale: f(case, "scale"),
         };
-        let (q, kn, kr, v) = (
-            t(case, "q"),
-            t(case, "k_nope"),
-            t(case, "k_rope"),
-            t(case, "v"),
-        );
+        let (q, ckv, kr) = (t(case, "q"), t(case, "c_kv"), t(case, "k_rope"));
+        // the fixture's kv_b values are exact bf16
+        let w: Vec<u16> = t(case, "w_kv_b")
+            .iter()
+            .map(|x| {
+                assert_eq!(x.to_bits() & 0xFFFF, 0, "{name}: w_kv_b must be bf16");
+                (x.to_bits() >> 16) as u16
+            })
+            .collect();
         let cache = MlaCache {
-            k_nope: &kn,
+            c_kv: &ckv,
             k_rope: &kr,
-            v: &v,
         };
         for isa in available() {
             for pool in [&pools()[0], &pools()[2]] {
-                let mut sc = vec![0.0; shape.n_heads * shape.n_pos];
+                let mut wk = vec![0.0; shape.work_len()];
                 let mut out = vec![0.0; shape.n_heads * shape.d_v];
-                mla_attend_with(isa, pool, &shape, &q, &cache, &mut sc, &mut out);
+                mla_attend_with(isa, pool, &shape, &q, &w, &cache, &mut wk, &mut out);
                 let tag = format!("{name} {isa:?} {} threads", pool.n_threads());
-                // our scratch holds the probabilities, so check them too
+                // our work area ends each head's row with the probabilities, so check them too
+                let stride = 2 * shape.kv_lora + shape.n_pos;
+                let sc: Vec<f32> = wk
+                    .chunks_exact(stride)
+                    .flat_map(|r| r[2 * shape.kv_lora..].to_vec())
+                    .collect();
                 worst = worst.max(within(
                     &format!("{tag} probs"),
                     &sc,

@@ -227,28 +227,31 @@ fn ops_cases(isa: Isa) -> Cases {
         "kda_state_head2_row5",
         &state[(2 * dk + 5) * dv..(2 * dk + 6) * dv],
     );
-    // MLA
+    // MLA (latent cache, absorbed attention)
     let shape = MlaShape {
         n_heads: 4,
         d_nope: 32,
         d_rope: 16,
         d_v: 24,
+        kv_lora: 40,
         n_pos: 11,
         scale: 1.0 / 48f32.sqrt(),
     };
+    // the same draws from `r` as the expanded-cache inputs took before (q, 11x4x32, k_rope,
+    // 11x4x24), so the cases after this one keep their inputs; kv_b has its own generator
     let q = r.f32s(4 * 48, 2.0);
-    let kn = r.f32s(11 * 4 * 32, 2.0);
+    let ckv = r.f32s(11 * 4 * 32, 2.0)[..11 * 40].to_vec();
     let kr = r.f32s(11 * 16, 2.0);
-    let v = r.f32s(11 * 4 * 24, 2.0);
+    let _ = r.f32s(11 * 4 * 24, 2.0);
+    let w = Rng::new(0x4d4c_4131).bf16s(4 * (32 + 24) * 40, 0.3);
     let cache = MlaCache {
-        k_nope: &kn,
+        c_kv: &ckv,
         k_rope: &kr,
-        v: &v,
     };
-    let mut sc = vec![0.0; 4 * 11];
+    let mut wk = vec![0.0; shape.work_len()];
     let mut mo = vec![0.0; 4 * 24];
-    mla_attend_with(isa, &pools()[3], &shape, &q, &cache, &mut sc, &mut mo);
-    put(&mut c, "mla_probs", &sc);
+    mla_attend_with(isa, &pools()[3], &shape, &q, &w, &cache, &mut wk, &mut mo);
+    put(&mut c, "mla_work", &wk);
     put(&mut c, "mla_out", &mo);
     // router
     let logits = r.f32s(96, 4.0);

@@ -282,23 +282,25 @@ proptest! {
     }
 
     #[test]
-    fn mla(seed: u64, heads in 1usize..6, d_nope in 1usize..40, d_rope in 0usize..20, d_v in 1usize..40, n_pos in 0usize..30) {
+    fn mla(seed: u64, heads in 1usize..6, d_nope in 0usize..40, d_rope in 0usize..20, d_v in 1usize..40, kv_lora in 1usize..70, n_pos in 0usize..30) {
         let mut r = Rng::new(seed);
-        let shape = MlaShape { n_heads: heads, d_nope, d_rope, d_v, n_pos, scale: 0.0722 };
+        let shape = MlaShape { n_heads: heads, d_nope, d_rope, d_v, kv_lora, n_pos, scale: 0.0722 };
         let q = r.f32s(heads * (d_nope + d_rope), 3.0);
-        let k_nope = r.f32s(n_pos * heads * d_nope, 3.0);
+        let w = r.bf16s(heads * (d_nope + d_v) * kv_lora, 0.3);
+        let c_kv = r.f32s(n_pos * kv_lora, 3.0);
         let k_rope = r.f32s(n_pos * d_rope, 3.0);
-        let v = r.f32s(n_pos * heads * d_v, 3.0);
-        let cache = MlaCache { k_nope: &k_nope, k_rope: &k_rope, v: &v };
-        let mut sa = vec![0.0; heads * n_pos];
+        let cache = MlaCache { c_kv: &c_kv, k_rope: &k_rope };
+        let mut sa = vec![0.0; shape.work_len()];
         let mut oa = vec![0.0; heads * d_v];
-        mla_attend_with(Isa::Scalar, &pools()[0], &shape, &q, &cache, &mut sa, &mut oa);
+        mla_attend_with(Isa::Scalar, &pools()[0], &shape, &q, &w, &cache, &mut sa, &mut oa);
         for isa in paths() {
             for pool in pools() {
-                let mut sb = vec![0.0; heads * n_pos];
+                let mut sb = vec![0.0; shape.work_len()];
                 let mut ob = vec![0.0; heads * d_v];
-                mla_attend_with(isa, pool, &shape, &q, &cache, &mut sb, &mut ob);
-                assert_same(&format!("mla scores {isa:?} {}", pool.n_threads()), &sb, &sa);
+                mla_attend_with(isa, pool, &shape, &q, &w, &cache, &mut sb, &mut ob);
+                if n_pos > 0 {
+                    assert_same(&format!("mla work {isa:?} {}", pool.n_threads()), &sb, &sa);
+                }
                 assert_same(&format!("mla out {isa:?} {}", pool.n_threads()), &ob, &oa);
             }
         }

@@ -1235,6 +1235,18 @@ mod tests {
     const GB: u64 = 1_000_000_000;
 
     #[test]
+    fn preset_thresholds_are_the_memory_plan_prints_contexts_for() {
+        // `k3-run plan` plans each preset's longest context in the memory doctor picks it at
+        for (gb, name) in PRESET_THRESHOLDS_GB {
+            let m = k3_engine::session::PRESET_MEMORY_GB
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, g)| *g);
+            assert_eq!(m, Some(gb), "{name}");
+        }
+    }
+
+    #[test]
     fn preset_follows_available_memory() {
         assert_eq!(pick_preset(0), None);
         assert_eq!(pick_preset(8 * GB), None);

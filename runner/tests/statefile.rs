@@ -127,6 +127,29 @@ fn resumed_state_equals_whole_prompt() {
     let bad_ids = dir.join("ids.state");
     std::fs::write(&bad_ids, forged).expect("write");
     refused(a, &bad_ids, &["999", "vocabulary"]);
+    // this build writes version 2 (the latent MLA cache) ...
+    assert_eq!(&bytes[..8], b"K3STATE\0", "magic");
+    assert_eq!(
+        u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]),
+        2
+    );
+    // ... and refuses a version 1 file (the expanded MLA cache), naming the file and both
+    // versions and saying to save it again
+    let mut v1 = bytes.clone();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let old = dir.join("v1.state");
+    std::fs::write(&old, v1).expect("write");
+    refused(
+        a,
+        &old,
+        &[
+            old.to_str().expect("utf-8 path"),
+            "version 1",
+            "version 2",
+            "latent MLA cache",
+            "--save-state",
+        ],
+    );
     // a device or FIFO is refused before anything is read (/dev/zero used to be read until
     // memory ran out)
     refused(a, Path::new("/dev/zero"), &["not a regular file"]);

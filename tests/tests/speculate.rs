@@ -28,7 +28,7 @@ fn state_bits(s: &SeqState) -> (usize, Vec<Vec<u32>>) {
                 .iter()
                 .flat_map(|v| bits(v))
                 .collect(),
-            LayerState::Mla(m) => [&m.k_nope, &m.k_rope, &m.v]
+            LayerState::Mla(m) => [&m.c_kv, &m.k_rope]
                 .iter()
                 .flat_map(|v| {
                     let mut b = vec![v.len() as u32];

@@ -6,20 +6,22 @@
 //! [k_nope(h) | k_rope] with k_rope shared by the heads; no rotary embedding is applied (NoPE).
 //! Scores q.k * softmax_scale over the sequence's positions so far, softmax, weighted sum of v
 //! -> [H, v], optionally gated by sigmoid(g x), then o_proj -> [d_model].
-//! Decode state ([`MlaState`]): the expanded per-head keys and values, f32, one row per
-//! position, appended in token order.
+//! Decode state ([`MlaState`]): the latent form, f32, one row per position appended in token
+//! order: the normalised `c_kv` [kv_lora] and the shared `k_rope` [rope]. Attention is
+//! computed absorbed ([`attn::mla_attend`]): the query's nope part is mapped into the latent
+//! space through `kv_b`'s key rows, scored against the cached latent plus `k_rope`, and the
+//! probability-weighted latent is mapped out through `kv_b`'s value rows, per head. In exact
+//! arithmetic this is the expanded form above; the canonical order is docs/NUMERICS.md §1.
 
 use super::*;
 
-/// KV cache of one MLA layer (expanded per-head k_nope and v plus the shared k_rope).
+/// Latent KV cache of one MLA layer: the normalised `c_kv` and the shared `k_rope`.
 #[derive(Clone, Debug, Default)]
 pub struct MlaState {
-    /// [n_pos, n_heads, d_nope]
-    pub k_nope: Vec<f32>,
+    /// [n_pos, kv_lora]: RMSNorm(c_kv) with the norm's weight applied.
+    pub c_kv: Vec<f32>,
     /// [n_pos, d_rope]
     pub k_rope: Vec<f32>,
-    /// [n_pos, n_heads, d_v]
-    pub v: Vec<f32>,
 }
 
 impl<'s> Executor<'s> {
@@ -46,7 +48,7 @@ impl<'s> Executor<'s> {
             xn, attn_out, work, ..
         } = rows;
         let (xn, attn_out) = (&xn[..n * d], &mut attn_out[..n * d]);
-        let [qa, qan, mq, ckv, ckvn, kv, mo, mg] = carve(
+        let [qa, qan, mq, ckv, ckvn, mo, mg] = carve(
             work,
             [
                 n * ql,
@@ -54,7 +56,6 @@ impl<'s> Executor<'s> {
                 n * h * dq,
                 n * (kvl + dr),
                 n * kvl,
-                n * h * (dn + dv),
                 n * h * dv,
                 n * h * dv,
             ],
@@ -79,48 +80,43 @@ impl<'s> Executor<'s> {
             let w = need(lw, l, TensorRole::MlaQB)?;
             lin_many(pool, n, vec![(w, &*qan, &mut *mq)]);
         }
-        // c = kv_a x -> [kv_lora | k_rope]; kv = kv_b(norm(c_kv)) -> [H, nope | v]
+        // c = kv_a x -> [kv_lora | k_rope]; the cache row is [RMSNorm(c_kv) | k_rope]
         let nw = widen(need(lw, l, TensorRole::MlaKvANorm)?, &mut s.w_a);
         for (c, cn) in ckv.chunks(kvl + dr).zip(ckvn.chunks_mut(kvl)) {
             ops::rmsnorm(&c[..kvl], Some(&s.w_a[..nw]), p.latent_norm_eps, cn);
         }
-        let w = need(lw, l, TensorRole::MlaKvB)?;
-        lin_many(pool, n, vec![(w, &*ckvn, &mut *kv)]);
+        let w_kv_b = bf16_bits(need(lw, l, TensorRole::MlaKvB)?);
         for (i, &(seq, pos)) in at.iter().enumerate() {
             let LayerState::Mla(st) = &mut *sts[seq] else {
                 unreachable!("SeqState is built from the same layer map")
             };
             // append this position to the cache
             debug_assert_eq!(st.k_rope.len(), pos * dr);
-            let kvi = &kv[i * h * (dn + dv)..(i + 1) * h * (dn + dv)];
-            for hh in 0..h {
-                let base = hh * (dn + dv);
-                st.k_nope.extend_from_slice(&kvi[base..base + dn]);
-            }
+            st.c_kv.extend_from_slice(&ckvn[i * kvl..(i + 1) * kvl]);
             st.k_rope
                 .extend_from_slice(&ckv[i * (kvl + dr) + kvl..(i + 1) * (kvl + dr)]);
-            for hh in 0..h {
-                let base = hh * (dn + dv) + dn;
-                st.v.extend_from_slice(&kvi[base..base + dv]);
-            }
             let n_pos = pos + 1;
             let shape = attn::MlaShape {
                 n_heads: h,
                 d_nope: dn,
                 d_rope: dr,
                 d_v: dv,
+                kv_lora: kvl,
                 n_pos,
                 scale: 1.0 / (dq as f32).sqrt(),
             };
             let moi = &mut mo[i * h * dv..(i + 1) * h * dv];
+            let cache = attn::MlaCache {
+                c_kv: &st.c_kv,
+                k_rope: &st.k_rope,
+            };
             attn::mla_attend(
                 pool,
                 &shape,
                 &mq[i * h * dq..(i + 1) * h * dq],
-                &st.k_nope,
-                &st.k_rope,
-                &st.v,
-                &mut s.scores[..h * n_pos],
+                &w_kv_b,
+                &cache,
+                &mut s.scores[..shape.work_len()],
                 moi,
             );
             if p.output_gate {

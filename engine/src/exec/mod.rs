@@ -148,7 +148,7 @@ impl SeqState {
                             && eq(&a.s, &b.s)
                     }
                     (LayerState::Mla(a), LayerState::Mla(b)) => {
-                        eq(&a.k_nope, &b.k_nope) && eq(&a.k_rope, &b.k_rope) && eq(&a.v, &b.v)
+                        eq(&a.c_kv, &b.c_kv) && eq(&a.k_rope, &b.k_rope)
                     }
                     _ => false,
                 })
@@ -164,9 +164,7 @@ impl SeqState {
                 .iter()
                 .map(|l| match l {
                     LayerState::Kda(k) => MarkedLayer::Kda(k.clone()),
-                    LayerState::Mla(m) => {
-                        MarkedLayer::Mla([m.k_nope.len(), m.k_rope.len(), m.v.len()])
-                    }
+                    LayerState::Mla(m) => MarkedLayer::Mla([m.c_kv.len(), m.k_rope.len()]),
                 })
                 .collect(),
         }
@@ -182,10 +180,9 @@ impl SeqState {
         for (l, m) in self.layers.iter_mut().zip(&mark.layers) {
             match (l, m) {
                 (LayerState::Kda(k), MarkedLayer::Kda(saved)) => k.clone_from(saved),
-                (LayerState::Mla(st), MarkedLayer::Mla([a, b, c])) => {
-                    st.k_nope.truncate(*a);
+                (LayerState::Mla(st), MarkedLayer::Mla([a, b])) => {
+                    st.c_kv.truncate(*a);
                     st.k_rope.truncate(*b);
-                    st.v.truncate(*c);
                 }
                 _ => panic!("rewind: the mark's layer kinds differ from this state's"),
             }
@@ -204,7 +201,7 @@ pub struct StateMark {
 #[derive(Clone, Debug)]
 enum MarkedLayer {
     Kda(KdaState),
-    Mla([usize; 3]),
+    Mla([usize; 2]),
 }
 
 impl StateMark {
@@ -231,7 +228,7 @@ struct Scratch {
     w_a: Vec<f32>,
     w_b: Vec<f32>,
     w_c: Vec<f32>,
-    scores: Vec<f32>, // MLA attention scores [H*max_pos]
+    scores: Vec<f32>, // MLA attention work [H * (2 * kv_lora + max_pos)]
     /// KDA: each head's conv outputs q, k, v [H * 3 * D] (one token at a time)
     kda_qkv: Vec<f32>,
     // FFN
@@ -265,7 +262,7 @@ impl Scratch {
             w_a: z(b.max_small_tensor),
             w_b: z(b.max_small_tensor),
             w_c: z(b.max_small_tensor),
-            scores: z(b.mla_heads * plan.max_positions),
+            scores: z(b.mla_heads * (2 * b.mla_kv_lora + plan.max_positions)),
             kda_qkv: z(3 * b.kda_channels),
             ff_gate: z(b.max_ff),
             ff_up: z(b.max_ff),

@@ -49,11 +49,12 @@ pub enum PlanError {
     #[error(
         "KV cache and recurrent state for {positions} positions need {} ({} per position x \
          {positions} + {} fixed, prompt-chunk working memory included), but only {} remain ({} memory limit minus {} already planned \
-         for trunk, expert cache, global tensors and the embedding rows the request reads); shorten the request (prompt + --gen; \
+         for trunk, expert cache, global tensors and the embedding rows the request reads){}; shorten the request (prompt + --gen; \
          --max-context for --chat / --serve), decode fewer sequences together (--batch-ids, \
          --serve-batch), use smaller --prefill-chunk, or lower the budgets",
         fmt_bytes(*need), fmt_bytes(*per_position), fmt_bytes(*fixed),
-        fmt_bytes(limit.saturating_sub(*planned)), fmt_bytes(*limit), fmt_bytes(*planned)
+        fmt_bytes(limit.saturating_sub(*planned)), fmt_bytes(*limit), fmt_bytes(*planned),
+        longest.map_or(String::new(), |n| format!(": the longest context that fits is {n} positions"))
     )]
     StateTooBig {
         positions: usize,
@@ -62,6 +63,8 @@ pub enum PlanError {
         fixed: u64,
         limit: u64,
         planned: u64,
+        /// The longest context that fits, when the caller computed it.
+        longest: Option<usize>,
     },
 }
 
@@ -320,9 +323,36 @@ pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Resu
             fixed: state.fixed_bytes,
             limit,
             planned,
+            longest: None,
         });
     }
     Ok(need)
+}
+
+impl PlanError {
+    /// [`PlanError::StateTooBig`] naming the longest context that fits; others unchanged.
+    pub fn with_longest(self, n: usize) -> PlanError {
+        match self {
+            PlanError::StateTooBig {
+                positions,
+                need,
+                per_position,
+                fixed,
+                limit,
+                planned,
+                ..
+            } => PlanError::StateTooBig {
+                positions,
+                need,
+                per_position,
+                fixed,
+                limit,
+                planned,
+                longest: Some(n),
+            },
+            e => e,
+        }
+    }
 }
 
 /// The memory facts moved to [`crate::platform::memory`]; re-exported here for existing paths.

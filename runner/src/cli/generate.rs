@@ -696,7 +696,8 @@ pub(crate) fn chat_main(a: &RunArgs) -> Result<u8, Failure> {
     let (settings, notes) = memory_settings(a)?;
     let (spec, files) = run_spec_files(a, model_dir)?;
     let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
-    let positions = a.max_context.unwrap_or(8192);
+    // None: the longest context the memory holds (load_model)
+    let positions = a.max_context;
     // --serve-batch N: every request in the batch holds its own decode state.
     let sequences = match a.chat.serve {
         Some(_) => crate::chat::serve::serve_batch(a)?,
@@ -776,8 +777,15 @@ pub(crate) fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
         longest + a.n_gen,
         &format!("the longest prompt ({longest}) + --gen {}", a.n_gen),
     )?;
-    let (mut session, mut exec) =
-        load_model(a, &spec, &ckpt, &settings, &notes, positions, prompts.len())?;
+    let (mut session, mut exec) = load_model(
+        a,
+        &spec,
+        &ckpt,
+        &settings,
+        &notes,
+        Some(positions),
+        prompts.len(),
+    )?;
     let interrupted = Arc::new(AtomicBool::new(false));
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted));
     let providers = &mut session.providers;

@@ -122,7 +122,10 @@ pub struct RunArgs {
     pub load_state: Option<PathBuf>,
     /// Maximum context (positions) to plan the KV cache for (default: prompt + --gen, plus
     /// the positions of --load-state; with --batch-ids the longest prompt + --gen). A value
-    /// below what the request needs is a usage error. With --chat / --serve: default 8192.
+    /// below what the request needs is a usage error. With --chat / --serve: default the
+    /// longest context the memory left after the weights holds for --serve-batch sequences,
+    /// at most 131072 (8192 when the memory limit is unknown). Above what the memory holds is
+    /// refused, naming the longest that fits.
     #[arg(long)]
     pub max_context: Option<usize>,
     #[command(flatten)]
@@ -613,11 +616,14 @@ pub(crate) fn load_model<'c>(
     ckpt: &'c Checkpoint,
     settings: &crate::session::MemorySettings,
     notes: &[String],
-    positions: usize,
+    positions: Option<usize>,
     sequences: usize,
 ) -> Result<(crate::session::Session<'c>, Executor<'c>), Failure> {
     let threads = run_threads(a)?;
-    let mut plan = with_prefill_chunk(a, Plan::new(spec, positions))?;
+    let mut plan = with_prefill_chunk(
+        a,
+        Plan::new(spec, positions.unwrap_or(CONTEXT_DEFAULT_UNKNOWN)),
+    )?;
     for n in notes {
         eprintln!("{n}");
     }
@@ -634,6 +640,32 @@ pub(crate) fn load_model<'c>(
     if let Some(l) = crate::platform::absent_line() {
         eprintln!("  {l}");
     }
+    // no --max-context: the longest context the memory left after the weights holds
+    let positions = match (positions, mem_limit.bytes()) {
+        (Some(n), _) => n,
+        (None, None) => CONTEXT_DEFAULT_UNKNOWN,
+        (None, Some(limit)) => {
+            let longest = crate::session::longest_context(
+                &plan,
+                sequences,
+                session.planned_bytes,
+                session.mapped_embedding,
+                limit,
+            );
+            let n = longest.clamp(1, CONTEXT_DEFAULT_MAX);
+            eprintln!(
+                "  context: {n} positions (no --max-context: the longest the memory left after \
+                 the weights holds{}, at most {CONTEXT_DEFAULT_MAX})",
+                if sequences > 1 {
+                    format!(" for {sequences} sequences")
+                } else {
+                    String::new()
+                }
+            );
+            n
+        }
+    };
+    plan.max_positions = positions;
     // every sequence holds its own decode state
     let state_line = check_states_and_chunk(
         a,
@@ -649,6 +681,11 @@ pub(crate) fn load_model<'c>(
     }
     Ok((session, exec))
 }
+
+/// `--chat` / `--serve` without `--max-context`: the context when the memory limit is unknown.
+pub(crate) const CONTEXT_DEFAULT_UNKNOWN: usize = 8192;
+/// `--chat` / `--serve` without `--max-context`: the most positions planned from the budget.
+pub(crate) const CONTEXT_DEFAULT_MAX: usize = 131_072;
 
 /// The positions to plan the KV cache for: `--max-context N`, else `needed` (`why` says what it
 /// is made of). Below `needed` is a usage error stating the number, not a silent raise.

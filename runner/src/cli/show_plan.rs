@@ -26,12 +26,16 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
     let (spec, _files) = run_spec_files(a, model_dir)?;
     let positions = p.positions.or(a.max_context).unwrap_or(4096);
     let plan = Plan::new(&spec, positions);
+    let contexts =
+        crate::session::preset_contexts(&plan).map_err(|e| Failure::usage(e.to_string()))?;
     let trunk_plan = match &a.mem.trunk {
         Some(dir) => Some(plan_packed_trunk(a, dir, &spec)?),
         None => None,
     };
     if p.json {
         let mut v = serde_json::to_value(&plan).map_err(|e| Failure::usage(e.to_string()))?;
+        v["preset_contexts"] =
+            serde_json::to_value(&contexts).map_err(|e| Failure::usage(e.to_string()))?;
         if let Some((t, m)) = &trunk_plan {
             v["trunk_plan"] = serde_json::to_value(t).map_err(|e| Failure::usage(e.to_string()))?;
             if let Some(c) = &m.compression {
@@ -43,6 +47,9 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
         println!("{s}");
     } else {
         print!("{plan}");
+        for l in crate::session::preset_context_lines(&plan, &contexts) {
+            println!("{l}");
+        }
         if let Some((t, m)) = &trunk_plan {
             for l in t.report_lines() {
                 println!("{l}");

@@ -35,6 +35,8 @@ pub mod machine;
 #[allow(missing_docs)]
 pub mod model;
 #[allow(missing_docs)]
+pub mod pipeline;
+#[allow(missing_docs)]
 pub mod plan;
 #[allow(missing_docs)]
 pub mod plugins;

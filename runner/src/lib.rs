@@ -5,8 +5,8 @@
 //! `crate::exec`, `crate::stream` as before; nothing in the engine imports from here.
 
 pub use k3_engine::{
-    arena, bytes_bar, checkpoint, draft, exec, machine, model, plan, plugins, resident, run,
-    session, speculate, statefile, stream, synth, weights,
+    arena, bytes_bar, checkpoint, draft, exec, machine, model, pipeline, plan, plugins, resident,
+    run, session, speculate, statefile, stream, synth, weights,
 };
 
 pub mod budget;

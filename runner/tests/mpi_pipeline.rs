@@ -229,9 +229,11 @@ fn a_rank_killed_mid_run_ends_the_job_with_a_message_on_rank_0() {
     }
     // SAFETY: kill(2) on a pid of a process this test started (through mpirun).
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    // the rest of the output on a thread: the bounded wait below must not sit behind it
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<String>>());
     let t0 = Instant::now();
     let (code, _, _) = wait_bounded(child, 60);
+    let rest = rest.join().unwrap();
     let err = reader.join().unwrap();
     assert_ne!(code, 0, "the job must fail: {err}");
     assert!(t0.elapsed() < Duration::from_secs(60));

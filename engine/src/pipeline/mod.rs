@@ -532,8 +532,7 @@ pub fn run_first<L: Link + ?Sized>(
     loop {
         // one item of every sequence that has none in flight
         let mut local = Vec::new();
-        for b in 0..n {
-            let s = &mut seqs[b];
+        for (b, s) in seqs.iter_mut().enumerate() {
             if s.in_flight || s.done || stopped {
                 continue;
             }

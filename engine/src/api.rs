@@ -345,7 +345,7 @@ impl Model {
         let t0 = Instant::now();
         let plan = Plan::new(spec, positions);
         // measured before the session allocates: afterwards its own pages count as used
-        let limit = crate::machine::memory_limit_bytes();
+        let limit = crate::platform::memory::memory_limit_bytes();
         let mut session =
             crate::session::build_with(spec, &self.ckpt, &plan, &self.memory, ResidentMode::Mmap)
                 .map_err(|e| Error::Memory(e.to_string()))?;

@@ -301,8 +301,10 @@ pub fn release_mapped_pages(ckpt: &Checkpoint) -> u64 {
         // is borrowed). MADV_DONTNEED on a read-only file mapping only drops page-table
         // entries: the contents seen through any live reference are unchanged (the next
         // access faults the same file bytes back in).
-        let rc = unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTNEED) };
-        if rc == 0 {
+        let r = unsafe {
+            crate::platform::advise_memory(base, len, crate::platform::MemAdvice::DontNeed)
+        };
+        if r.is_ok() {
             advised += len as u64;
         }
     }
@@ -435,17 +437,14 @@ fn drop_cached(path: &Path, extents: &[Extent], shard: usize) {
     let Ok(f) = std::fs::File::open(path) else {
         return;
     };
-    use std::os::fd::AsRawFd;
     for x in extents.iter().filter(|x| x.shard == shard) {
-        let (Ok(off), Ok(len)) = (
-            libc::off_t::try_from(x.start),
-            libc::off_t::try_from(x.end - x.start),
-        ) else {
-            continue;
-        };
-        // SAFETY: a valid open fd; the call only advises the kernel.
-        unsafe {
-            libc::posix_fadvise(f.as_raw_fd(), off, len, libc::POSIX_FADV_DONTNEED);
-        }
+        // Advice only (absent on macOS and Windows: the cached copy stays until evicted).
+        let _ = crate::platform::advise_file(
+            &f,
+            crate::platform::FileAdvice::DontNeed {
+                offset: x.start,
+                len: x.end - x.start,
+            },
+        );
     }
 }

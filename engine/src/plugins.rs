@@ -168,6 +168,15 @@ fn what_the_file_is(path: &Path) -> Option<String> {
         let mut f = std::fs::File::open(path).ok()?;
         f.read(&mut head).ok()?
     };
+    // Plugins are Mach-O (.dylib) on macOS and PE (.dll) on Windows: only a text file is told
+    // apart there; the loader's own message says the rest.
+    if cfg!(any(target_os = "macos", windows)) {
+        let text = n > 0
+            && head[..n]
+                .iter()
+                .all(|&b| b.is_ascii_graphic() || b.is_ascii_whitespace());
+        return text.then(|| "it is not a shared library but a text file".to_string());
+    }
     if n < 20 || &head[..4] != b"\x7fELF" {
         let text = head[..n]
             .iter()

@@ -198,9 +198,9 @@ pub fn load_resident(
     // The reserved huge-page pool is outside MemAvailable: an arena it can hold fits.
     let in_pool = m.io.reserved_huge_pages
         && m.io.huge_pages
-        && crate::machine::reserved_pool_free_bytes().is_some_and(|f| f >= need);
+        && crate::platform::memory::reserved_pool_free_bytes().is_some_and(|f| f >= need);
     if !in_pool
-        && let Some(avail) = crate::machine::memory_limit_bytes()
+        && let Some(avail) = crate::platform::memory::memory_limit_bytes()
         && need > avail
     {
         startup.push(format!(

@@ -444,14 +444,8 @@ pub fn teacher_forced(
     Ok((am, all))
 }
 
-/// Peak resident set size of this process, from getrusage (bytes).
+/// Peak resident set size of this process in bytes (getrusage; Windows: the peak working
+/// set); 0 if unknown.
 pub fn peak_rss_bytes() -> u64 {
-    // SAFETY: getrusage only writes into the zeroed struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer to a rusage struct; RUSAGE_SELF is always valid.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    if rc != 0 {
-        return 0;
-    }
-    (ru.ru_maxrss as u64) * 1024
+    crate::platform::peak_rss_bytes().unwrap_or(0)
 }

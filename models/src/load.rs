@@ -51,20 +51,23 @@ pub fn read_regular_bytes(p: &Path) -> std::io::Result<Vec<u8>> {
 
 /// "is a directory", "is a FIFO (named pipe)", ... for a path that is not a regular file.
 pub fn describe_file_type(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
     if t.is_dir() {
-        "is a directory"
-    } else if t.is_fifo() {
-        "is a FIFO (named pipe)"
-    } else if t.is_char_device() {
-        "is a character device"
-    } else if t.is_block_device() {
-        "is a block device"
-    } else if t.is_socket() {
-        "is a socket"
-    } else {
-        "is not a regular file"
+        return "is a directory";
     }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "is a FIFO (named pipe)";
+        } else if t.is_char_device() {
+            return "is a character device";
+        } else if t.is_block_device() {
+            return "is a block device";
+        } else if t.is_socket() {
+            return "is a socket";
+        }
+    }
+    "is not a regular file"
 }
 
 /// Load a model description: the manifest TOML and the checkpoint's config.json.

@@ -13,7 +13,6 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::IsTerminal;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
@@ -166,12 +165,46 @@ fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
     let m = std::fs::metadata(path)?;
     Ok(Stamp {
         size: m.len(),
-        ino: m.ino(),
-        mtime_ns: m
-            .mtime()
-            .saturating_mul(1_000_000_000)
-            .saturating_add(m.mtime_nsec()),
+        ino: inode(&m),
+        mtime_ns: mtime_ns(&m),
     })
+}
+
+/// The file's inode number (Unix); 0 on Windows, where std has no stable file index (the size
+/// and the modification time still tell a changed file).
+fn inode(m: &std::fs::Metadata) -> u64 {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        m.ino()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = m;
+        0
+    }
+}
+
+/// Modification time in nanoseconds since the epoch (negative before it).
+fn mtime_ns(m: &std::fs::Metadata) -> i64 {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        m.mtime()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(m.mtime_nsec())
+    }
+    #[cfg(not(unix))]
+    {
+        match m
+            .modified()
+            .map(|t| t.duration_since(std::time::UNIX_EPOCH))
+        {
+            Ok(Ok(d)) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+            Ok(Err(e)) => -i64::try_from(e.duration().as_nanos()).unwrap_or(i64::MAX),
+            Err(_) => 0,
+        }
+    }
 }
 
 #[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]

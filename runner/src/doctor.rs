@@ -30,8 +30,6 @@
 //! is not a failed measurement: the disk line says which flag to give.
 
 use std::io::Write;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -40,7 +38,8 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::cli::{Failure, exit};
-use crate::machine::MemInfo;
+use crate::platform::memory::MemInfo;
+use crate::platform::{self, FsType, UNCACHED};
 use crate::stream::aligned::{AlignedBuf, IO_ALIGN};
 use crate::stream::direct::DirectFile;
 
@@ -404,22 +403,16 @@ pub struct DramReport {
     pub reference_gb_per_s: f64,
 }
 
-fn statfs(path: &Path) -> Result<libc::statfs, String> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| format!("{} contains a NUL byte", path.display()))?;
-    // SAFETY: zeroed statfs is a valid value for the kernel to overwrite.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out pointer.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(format!(
-            "statfs {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        ));
+/// The filesystem holding `path`: its name and whether it lives in RAM.
+fn filesystem(path: &Path) -> Result<(String, bool), String> {
+    match platform::fs_type(path) {
+        Ok(FsType::Magic(m)) => Ok((fs_name(m).to_string(), fs_is_ram(m))),
+        Ok(FsType::Name(n)) => {
+            let ram = matches!(n.as_str(), "tmpfs" | "ramfs");
+            Ok((n, ram))
+        }
+        Err(e) => Err(format!("statfs {}: {e}", path.display())),
     }
-    Ok(st)
 }
 
 /// Fill `buf` with xorshift bytes (incompressible, so a deduplicating or compressing layer
@@ -435,29 +428,24 @@ fn fill_random(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Create the test file at `path`, remove its name at once (the open descriptor keeps the file
-/// until it is closed, so no exit, not even a kill, leaves it behind), and write `n_blocks`
-/// blocks with O_DIRECT (sequential, `block`-sized writes), then fdatasync it. Returns the open
-/// file and the write rate in MB/s.
+/// Create the test file at `path`, on Linux remove its name at once (the open descriptor keeps
+/// the file until it is closed, so no exit, not even a kill, leaves it behind; elsewhere the
+/// caller removes it when done), and write `n_blocks` blocks uncached (sequential,
+/// `block`-sized writes), then fdatasync it. Returns the open file and the write rate in MB/s.
 fn write_test_file(
     path: &Path,
     n_blocks: usize,
     block: usize,
     stop: &AtomicBool,
 ) -> Result<(std::fs::File, f64), String> {
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(|e| {
-            format!(
-                "cannot create the test file {} with O_DIRECT: {e} (the engine reads with O_DIRECT; \
-                 a filesystem that refuses it cannot be measured the way the engine reads)",
-                path.display()
-            )
-        })?;
+    let mut f = platform::create_uncached(path).map_err(|e| {
+        format!(
+            "cannot create the test file {} with {UNCACHED}: {e} (the engine reads with \
+             {UNCACHED}; a filesystem that refuses it cannot be measured the way the engine reads)",
+            path.display()
+        )
+    })?;
+    #[cfg(target_os = "linux")]
     std::fs::remove_file(path).map_err(|e| {
         format!(
             "cannot remove the name of the test file {} right after creating it: {e}",
@@ -482,6 +470,22 @@ fn write_test_file(
         .map_err(|e| format!("fdatasync of the test file {}: {e}", path.display()))?;
     let secs = t0.elapsed().as_secs_f64();
     Ok((f, (n_blocks * block) as f64 / 1e6 / secs.max(1e-9)))
+}
+
+/// The doctor's test file: open while measured; off Linux its name is removed on drop (on
+/// Linux it is gone already).
+struct TestFile {
+    file: Option<std::fs::File>,
+    path: PathBuf,
+}
+
+impl Drop for TestFile {
+    fn drop(&mut self) {
+        drop(self.file.take());
+        if !cfg!(target_os = "linux") {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// Random `block`-sized O_DIRECT reads at queue depth `qd` (qd threads, one blocking pread
@@ -543,7 +547,7 @@ fn read_at_qd(
     }
     if !file.is_direct() {
         return Err(format!(
-            "O_DIRECT reads were refused during the test ({}); buffered figures would measure \
+            "{UNCACHED} reads were refused during the test ({}); buffered figures would measure \
              the page cache, not the disk",
             file.fallback_reason().unwrap_or_default()
         ));
@@ -606,13 +610,11 @@ fn measure_disk(
     if a.qd.is_empty() || a.qd.contains(&0) || qd_max > 256 {
         return Err("--qd values must be in 1..=256".into());
     }
-    let st = statfs(&target)?;
-    let magic = st.f_type as i64;
-    if fs_is_ram(magic) {
+    let (fs, in_ram) = filesystem(&target)?;
+    if in_ram {
         return Err(format!(
-            "{} is on {} (RAM, not a disk): measure the disk that will hold the packed trunk",
+            "{} is on {fs} (RAM, not a disk): measure the disk that will hold the packed trunk",
             target.display(),
-            fs_name(magic)
         ));
     }
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
@@ -638,7 +640,8 @@ fn measure_disk(
                 ));
             }
             let file_bytes = (n * block) as u64;
-            let free = st.f_bavail * st.f_bsize as u64;
+            let free = platform::disk_free_bytes(&target)
+                .map_err(|e| format!("free space of {}: {e}", target.display()))?;
             if free < file_bytes + (1 << 30) {
                 return Err(format!(
                     "{} has {:.2} GB free; the {:.2} GB test file plus 1 GiB of headroom does \
@@ -658,9 +661,23 @@ fn measure_disk(
             let _ = std::io::stdout().flush();
             let path = target.join(format!(".k3-doctor-{}.tmp", std::process::id()));
             let (file, w) = write_test_file(&path, n, block, stop)?;
-            // the name is gone already: read the open file through its descriptor
-            let fd_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-            (fd_path, Some(file), n, w)
+            #[cfg(target_os = "linux")]
+            let read_path = {
+                use std::os::fd::AsRawFd;
+                // the name is gone already: read the open file through its descriptor
+                PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            };
+            #[cfg(not(target_os = "linux"))]
+            let read_path = path.clone();
+            (
+                read_path,
+                Some(TestFile {
+                    file: Some(file),
+                    path,
+                }),
+                n,
+                w,
+            )
         }
     };
     if n_blocks < 2 * qd_max {
@@ -676,7 +693,7 @@ fn measure_disk(
         return Err(format!(
             "{}; buffered figures would measure the page cache, not the disk",
             file.fallback_reason()
-                .unwrap_or_else(|| "O_DIRECT refused".into())
+                .unwrap_or_else(|| format!("{UNCACHED} refused"))
         ));
     }
     if a.order.is_empty() {
@@ -704,7 +721,7 @@ fn measure_disk(
     Ok(DiskReport {
         dir: target.display().to_string(),
         test_file_written: a.file.is_none(),
-        filesystem: fs_name(magic).to_string(),
+        filesystem: fs,
         device: mount.as_ref().map(|m| m.0.clone()),
         mount_point: mount.map(|m| m.1),
         file_bytes: (n_blocks * block) as u64,
@@ -878,19 +895,29 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
     );
 
     // memory and preset
-    let meminfo = crate::machine::meminfo();
-    // (limit, headroom) of the binding memory cgroup: the one a run's memory check uses
-    let cg = crate::machine::memory_limit()
+    let meminfo = crate::platform::memory::meminfo();
+    // (limit, headroom) of the binding memory cap (the cgroup on Linux, the job object on
+    // Windows): the one a run's memory check uses
+    let limit = crate::platform::memory::memory_limit();
+    let cg = limit
         .cgroup
-        .map(|c| (c.limit_bytes, c.headroom()));
-    let thp = crate::machine::transparent_huge_pages();
+        .as_ref()
+        .map(|c| (c.limit_bytes, c.headroom()))
+        .or_else(|| {
+            limit
+                .job
+                .as_ref()
+                .map(|j| (j.limit_bytes, j.limit_bytes.saturating_sub(j.usage_bytes)))
+        });
+    let thp = crate::platform::memory::transparent_huge_pages();
     let available = match (meminfo.map(|m| m.available), cg.map(|c| c.1)) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
     };
+    let (t_total, t_avail, t_cap) = crate::platform::memory::terms();
     match meminfo {
         Some(m) => println!(
-            "memory     MemTotal {}, MemAvailable {}; cgroup limit {}; transparent huge pages: {}{}",
+            "memory     {t_total} {}, {t_avail} {}; {t_cap} {}; transparent huge pages: {}{}",
             gb(m.total),
             gb(m.available),
             cg.map_or("none".into(), |(lim, head)| format!(
@@ -905,7 +932,17 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
                 ""
             }
         ),
-        None => println!("memory     /proc/meminfo has no MemAvailable: cannot size a preset"),
+        None if cfg!(target_os = "linux") => {
+            println!("memory     /proc/meminfo has no MemAvailable: cannot size a preset")
+        }
+        None => println!(
+            "memory     {} did not report its memory ({t_avail}): cannot size a preset",
+            platform::OS
+        ),
+    }
+    // what this platform has and lacks, in its own terms (absent features said, not hidden)
+    for f in platform::features() {
+        println!("platform   {} {}", platform::OS, f.line());
     }
     let balloon = balloon_present();
     let reporting = page_reporting_line(balloon, page_reporting());
@@ -976,7 +1013,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
             Ok(d) => {
                 if d.test_file_written {
                     println!(
-                        "disk       {} ({} on {}): {} written at {:.0} MB/s (sequential O_DIRECT), then removed",
+                        "disk       {} ({} on {}): {} written at {:.0} MB/s (sequential {UNCACHED}), then removed",
                         d.dir,
                         d.filesystem,
                         d.device.as_deref().unwrap_or("?"),
@@ -999,7 +1036,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
                 }
                 for r in &d.reads {
                     println!(
-                        "disk       {:<10} {} KiB O_DIRECT reads, queue depth {:>2}: {:>6.0} MB/s ({} reads in {:.2} s; latency median {:.2} ms, p99 {:.2} ms)",
+                        "disk       {:<10} {} KiB {UNCACHED} reads, queue depth {:>2}: {:>6.0} MB/s ({} reads in {:.2} s; latency median {:.2} ms, p99 {:.2} ms)",
                         match r.order {
                             ReadOrder::Random => "random",
                             ReadOrder::Sequential => "sequential",
@@ -1075,8 +1112,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         .map(shell_path)
         .unwrap_or_else(|| "~/k3model".into());
     // A --dir in RAM (tmpfs, ramfs) was refused above: the trunk is not suggested there.
-    #[allow(clippy::unnecessary_cast)] // `f_type` is not i64 on every target
-    let dir_in_ram = |d: &Path| statfs(d).is_ok_and(|st| fs_is_ram(st.f_type as i64));
+    let dir_in_ram = |d: &Path| filesystem(d).is_ok_and(|(_, ram)| ram);
     let trunk_dir = a.trunk.clone().unwrap_or_else(|| match &probe {
         Some((d, _)) if !dir_in_ram(d) => std::fs::canonicalize(d)
             .unwrap_or_else(|_| d.clone())
@@ -1136,6 +1172,8 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
             "isa_active": active,
             "rustc": rustc,
             "cargo": cargo,
+            "platform": platform::OS,
+            "platform_features": platform::features(),
             "meminfo": meminfo,
             "cgroup_limit_bytes": cg.map(|c| c.0),
             "available_bytes": available,

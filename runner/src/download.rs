@@ -379,21 +379,7 @@ fn free_bytes(dir: &Path) -> Result<u64, String> {
             .parse()
             .map_err(|_| format!("{FREE_BYTES_ENV}={v:?} is not a byte count"));
     }
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| format!("{}: a path with a NUL byte", dir.display()))?;
-    // SAFETY: `c` is a NUL-terminated path; `st` is a plain C struct statvfs fills in.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(format!(
-            "statvfs {}: {}",
-            dir.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    crate::platform::disk_free_bytes(dir).map_err(|e| format!("statvfs {}: {e}", dir.display()))
 }
 
 fn gb(n: u64) -> String {

@@ -1,12 +1,13 @@
 //! The `k3-run` command line over the [`k3_engine`] library: flags, run configs, subcommands,
 //! what is printed and the exit codes.
 //!
-//! The engine's modules are re-exported under their names so the command-line code reads
-//! `crate::exec`, `crate::stream` as before; nothing in the engine imports from here.
+//! Nothing in the engine imports from here. Inside this crate the engine's modules are in
+//! scope by name (`crate::stream`, `crate::exec`); they are not re-exported: a program that
+//! embeds the engine depends on `k3-engine` (its `api` module) directly.
 
-pub use k3_engine::{
-    arena, bytes_bar, checkpoint, draft, exec, machine, model, pipeline, plan, plugins, resident,
-    run, session, speculate, statefile, stream, synth, weights,
+pub(crate) use k3_engine::{
+    bytes_bar, checkpoint, draft, exec, pipeline, plan, platform, plugins, resident, run, session,
+    speculate, statefile, stream, synth, weights,
 };
 
 pub mod budget;

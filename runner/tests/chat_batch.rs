@@ -8,12 +8,12 @@ mod chat_support;
 
 use std::sync::atomic::AtomicBool;
 
+use k3_engine::exec::{Executor, PREFILL_CHUNK, Providers, SeqState};
+use k3_engine::plan::Plan;
 use k3_models::spec::ModelSpec;
 use k3_run::chat::batch::{Batcher, Finished, Job};
 use k3_run::chat::sample::Sampling;
 use k3_run::chat::session::{Event, Session, SessionConfig, Stop, TurnOutcome};
-use k3_run::exec::{Executor, PREFILL_CHUNK, Providers, SeqState};
-use k3_run::plan::Plan;
 use k3_text::chat::{Message, Role};
 use k3_text::reply::Channel;
 use k3_text::tokenizer::Tokenizer;

@@ -3,6 +3,9 @@
 //! check the mechanics: prompt, streamed records, stops, Ctrl-C, the history file, restart
 //! with re-prefill and reused positions.
 
+// The REPL is driven through a pseudo-terminal (openpty): Unix only.
+#![cfg(unix)]
+
 mod chat_support;
 
 use std::ffi::OsStr;

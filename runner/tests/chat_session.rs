@@ -5,10 +5,10 @@ mod chat_support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use k3_engine::exec::{Executor, Providers};
+use k3_engine::plan::Plan;
 use k3_run::chat::sample::Sampling;
 use k3_run::chat::session::{Event, Session, SessionConfig, Stop};
-use k3_run::exec::{Executor, Providers};
-use k3_run::plan::Plan;
 use k3_text::chat::{Message, RenderOptions};
 use k3_text::tokenizer::Tokenizer;
 
@@ -136,10 +136,10 @@ fn speculative_turns_equal_plain_turns() {
         // A context that fills up during the last turns.
         let mut exec = Executor::new(&spec, Plan::new(&spec, MAX_CTX), 1);
         let mut cfg = config(48, true);
-        cfg.speculate = k3_run::speculate::from_flag(speculate).expect("K");
+        cfg.speculate = k3_engine::speculate::from_flag(speculate).expect("K");
         let mut s = Session::new(&spec, tok(), cfg, vec![Message::system("S")]).expect("session");
         let mut out = Vec::new();
-        let mut stats = k3_run::speculate::SpecStats::default();
+        let mut stats = k3_engine::speculate::SpecStats::default();
         for u in users {
             let o = match s.turn(&mut exec, w, u, &never, &mut |_| {}) {
                 Ok(o) => o,
@@ -168,7 +168,7 @@ fn speculative_turns_equal_plain_turns() {
         (out, stats)
     };
     let (plain, none) = run(None, &mut w);
-    assert_eq!(none, k3_run::speculate::SpecStats::default());
+    assert_eq!(none, k3_engine::speculate::SpecStats::default());
     for k in [2, 5] {
         let (got, stats) = run(Some(k), &mut w);
         assert_eq!(got, plain, "K {k}");

@@ -260,7 +260,7 @@ fn preset_ultra_without_trunk_names_what_it_does_not_apply() {
     assert!(err.contains("embedding + lm_head: memory-mapped"), "{err}");
     // the expert cache named as applied is the one in effect: a later --cache-gb's
     let (err, ids_cache) = run(&["--preset", "ultra", "--cache-gb", "0.002"]);
-    assert!(err.contains("only the expert cache (0.002 GB) is"), "{err}");
+    assert!(err.contains("only the expert cache (2.00 MB) is"), "{err}");
     assert_eq!(ids_cache, ids_resident);
     // With a packed trunk the preset's ultra-low-memory is applied.
     let trunk = dir.join("trunk");
@@ -378,6 +378,7 @@ fn a_mistyped_subcommand_is_named() {
 /// Output into a pipe whose reader is gone (`k3-run plan M | head -1` after `head` exits) ends
 /// the process by SIGPIPE, quietly, for a subcommand and for a run; before, `println!`
 /// panicked (exit 101, a backtrace on stderr).
+#[cfg(unix)] // SIGPIPE: Windows has none
 #[test]
 fn a_closed_stdout_pipe_ends_the_process_quietly() {
     use std::os::unix::process::ExitStatusExt;
@@ -439,4 +440,60 @@ fn a_nan_expert_scale_is_refused_in_both_resident_modes() {
             "{mode}: nothing generated"
         );
     }
+}
+
+/// A text prompt gets text back: the tokenizer comes from the model directory when `--tok` is
+/// not given, each token line carries its text, the JSON has the generated text (the
+/// tokenizer's decoding of the generated ids), and the run says where it wrote the JSON. A
+/// model directory without a tokenizer is named in the error.
+#[test]
+fn a_text_prompt_gets_text_back_with_the_model_directorys_tokenizer() {
+    let dir = fresh_dir("text_prompt");
+    let model = repo().join("fixtures/models/chat/ckpt");
+    let out = dir.join("r.json");
+    let o = k3(&[
+        s(&model),
+        "--prompt",
+        "The capital of France is",
+        "--gen",
+        "4",
+        "--out",
+        s(&out),
+    ]);
+    ok(&o);
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let ids: Vec<u32> = v["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids.len(), 4, "{v}");
+    let tok = k3_text::tokenizer::Tokenizer::load(&model).unwrap();
+    let want = tok.decode_lossy(&ids).unwrap();
+    assert_eq!(v["text"].as_str(), Some(want.as_str()), "{v}");
+    assert!(
+        stdout.contains(&format!("generated text: {want:?}")),
+        "{stdout}"
+    );
+    let prompt_ids = tok.encode_text("The capital of France is").unwrap();
+    assert_eq!(v["prompt_ids"], serde_json::json!(prompt_ids));
+    assert!(
+        stderr(&o).contains(&format!("wrote {}", out.display())),
+        "{}",
+        stderr(&o)
+    );
+
+    let a = fixture_a();
+    let o = k3(&[s(&a), "--prompt", "x", "--gen", "1", "--out", s(&out)]);
+    assert_eq!(code(&o), 2);
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!(
+            "{} has no tiktoken.model; pass --tok DIR",
+            a.display()
+        )),
+        "{err}"
+    );
 }

@@ -195,3 +195,96 @@ fn a_shipped_run_config_runs_as_is_and_a_flag_overrides_its_prompt() {
     let other = run(&["--ids", "5,6,7"]);
     assert_ne!(from_config, other);
 }
+
+/// A run config in each mode, written by hand: chat (a piped turn lands in the config's
+/// history file, relative to the config) and serve (the config's listen address answers
+/// `/health` and a chat completion).
+#[test]
+fn a_run_config_drives_each_mode() {
+    use std::io::{Read, Write};
+    let d = tempfile::tempdir().unwrap();
+    let model = repo().join("fixtures/models/chat/ckpt");
+    let model_toml = model.display().to_string().replace('\\', "/");
+
+    // chat: the history path is relative to the config file's directory
+    let chat_cfg = d.path().join("chat.toml");
+    std::fs::write(
+        &chat_cfg,
+        format!(
+            "schema_version = 1\nmodel = \"{model_toml}\"\nmode = \"chat\"\nthreads = 1\n\
+             [chat]\nhistory = \"talk.jsonl\"\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(bin())
+        .arg("--config")
+        .arg(&chat_cfg)
+        .args(["--gen", "3"])
+        .current_dir(std::env::temp_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hello\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let hist = std::fs::read_to_string(d.path().join("talk.jsonl"))
+        .unwrap_or_else(|e| panic!("the config's history file: {e}\n{err}"));
+    assert_eq!(
+        hist.lines().count(),
+        2,
+        "one user and one assistant record: {hist}"
+    );
+    assert!(hist.contains("hello"), "{hist}");
+
+    // serve: the config's listen address (port 0: any free port) serves the model
+    let serve_cfg = d.path().join("serve.toml");
+    std::fs::write(
+        &serve_cfg,
+        format!(
+            "schema_version = 1\nmodel = \"{model_toml}\"\nmode = \"serve\"\nthreads = 1\n\
+             [serve]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(bin())
+        .arg("--config")
+        .arg(&serve_cfg)
+        .env_remove("K3RUN_API_KEY")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .map(str::to_string);
+    let reply = addr.as_ref().map(|addr| {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        r
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let reply = reply.unwrap_or_else(|| panic!("no listening address in {line:?}"));
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains("\"chat.completion\""), "{reply}");
+}

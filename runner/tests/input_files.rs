@@ -64,6 +64,7 @@ fn odd9(dir: &Path) -> PathBuf {
     out
 }
 
+#[cfg(unix)] // /dev/zero and a FIFO
 #[test]
 fn a_device_or_fifo_named_as_a_file_is_refused_at_once() {
     let dir = fresh_dir("input_files_devices");

@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use k3_run::stream::aligned::AlignedBuf;
-use k3_run::stream::direct::{DirectFile, ReadPool, ReadReq};
+use k3_engine::stream::aligned::AlignedBuf;
+use k3_engine::stream::direct::{DirectFile, ReadPool, ReadReq};
 
 fn pattern(i: u64) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8
@@ -208,7 +208,7 @@ fn io_uring_pool_reads_the_same_bytes_or_falls_back() {
     let pool = ReadPool::with_io_uring(4).expect("pool");
     let line = pool.backend_line();
     eprintln!("read backend: {line}");
-    if cfg!(feature = "io-uring") {
+    if cfg!(all(feature = "io-uring", target_os = "linux")) {
         assert!(
             pool.uses_io_uring() || line.contains("io_uring unavailable"),
             "{line}"

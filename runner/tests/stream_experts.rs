@@ -3,14 +3,12 @@
 
 mod stream_support;
 
-use std::os::unix::fs::FileExt;
-
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::resident::ResidentExperts;
+use k3_engine::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_engine::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
+use k3_engine::weights::{ExpertSource, ExpertWeights, WeightError};
 use k3_models::spec::{ModelSpec, TensorDecl, TensorRole};
-use k3_run::checkpoint::Checkpoint;
-use k3_run::resident::ResidentExperts;
-use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
-use k3_run::stream::trace::{TOKEN_MARK, TRACE_FILE, read_trace, simulate};
-use k3_run::weights::{ExpertSource, ExpertWeights, WeightError};
 use stream_support::*;
 
 fn cache<'c>(spec: &'c ModelSpec, ck: &Checkpoint, n_experts: u64) -> ExpertCache<'c> {
@@ -234,12 +232,12 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
     let (model, spec, ck) = tiny_opened("experts_e8m0", 25);
     let (_, scale_off, name) = expert_offsets(&ck, &spec, 4, 2);
     let shard = shard_of(&model, &name);
-    std::fs::OpenOptions::new()
+    let poke = std::fs::OpenOptions::new()
         .write(true)
         .open(&shard)
-        .expect("open shard")
-        .write_all_at(&[0xFF], scale_off + 5)
-        .expect("poke 0xFF");
+        .expect("open shard");
+    k3_engine::platform::write_all_at(&poke, &[0xFF], scale_off + 5).expect("poke 0xFF");
+    drop(poke);
     let mut c = ExpertCache::new(&spec, &ck, &ExpertCacheOptions::default()).expect("cache");
     match c.experts(4, &[2]) {
         Err(WeightError::Expert { layer, expert, msg }) => {
@@ -255,7 +253,7 @@ fn e8m0_nan_scale_is_refused_naming_the_tensor() {
 
 #[test]
 fn io_uring_pool_serves_the_same_experts() {
-    use k3_run::stream::direct::ReadPool;
+    use k3_engine::stream::direct::ReadPool;
     let (_, spec, ck) = tiny_opened("experts_uring", 26);
     let pool = ReadPool::with_io_uring(4).expect("pool");
     let mut c = ExpertCache::new_with_pool(&spec, &ck, &ExpertCacheOptions::default(), pool)

@@ -3,11 +3,11 @@
 
 mod stream_support;
 
+use k3_engine::stream::global::{GlobalOptions, StreamedGlobal};
+use k3_engine::weights::GlobalSource;
 use k3_kernels::matvec::matvec_bf16;
 use k3_kernels::par::Pool;
 use k3_models::spec::TensorRole;
-use k3_run::stream::global::{GlobalOptions, StreamedGlobal};
-use k3_run::weights::GlobalSource;
 use stream_support::*;
 
 fn bf16_bits(b: &[u8]) -> Vec<u16> {

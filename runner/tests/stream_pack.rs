@@ -4,10 +4,10 @@ mod stream_support;
 
 use std::path::PathBuf;
 
-use k3_models::spec::ModelSpec;
-use k3_run::stream::pack::{
+use k3_engine::stream::pack::{
     TRUNK_BIN, TRUNK_JSON, TrunkManifest, pack_trunk, trunk_decls_by_layer,
 };
+use k3_models::spec::ModelSpec;
 use stream_support::*;
 
 /// A fresh test directory with the tiny synthetic model (seed 5) packed raw into `dir/NAME`.
@@ -162,9 +162,9 @@ fn incomplete_or_mismatched_packs_are_refused_by_the_loader() {
 /// error naming the layer and chunk, never different bytes.
 #[test]
 fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
-    use k3_run::stream::pack::pack_trunk_with;
-    use k3_run::stream::trunk::{StreamedTrunk, TrunkOptions};
-    use k3_run::weights::TrunkSource;
+    use k3_engine::stream::pack::pack_trunk_with;
+    use k3_engine::stream::trunk::{StreamedTrunk, TrunkOptions};
+    use k3_engine::weights::TrunkSource;
 
     let dir = test_dir("pack_compressed");
     let (model, spec) = synth_tiny(&dir, 5);
@@ -188,7 +188,7 @@ fn compressed_pack_is_deterministic_and_reads_back_the_same_bytes() {
     );
     assert!(pack_trunk_with(&model, &spec, &dir.join("bad"), false, Some(5000)).is_err());
     let m = TrunkManifest::load(&a, &spec).expect("manifest validates");
-    assert_eq!(m.version, k3_run::stream::pack::VERSION_COMPRESSED);
+    assert_eq!(m.version, k3_engine::stream::pack::VERSION_COMPRESSED);
     assert!(m.layers.iter().all(|l| {
         l.stored
             .as_ref()
@@ -383,7 +383,7 @@ fn a_trunk_bin_that_is_not_a_regular_file_is_said_to_be_that() {
 /// `model` with the model being run: a mismatch refuses the trunk naming the field.
 #[test]
 fn trunk_json_summary_fields_are_checked() {
-    use k3_run::stream::pack::pack_trunk_with;
+    use k3_engine::stream::pack::pack_trunk_with;
     let (dir, model, spec, raw) = packed_tiny("pack_summary_fields", "raw");
     let z = dir.join("z");
     pack_trunk_with(&model, &spec, &z, false, Some(8 << 10)).expect("compressed pack");
@@ -430,7 +430,7 @@ fn trunk_json_summary_fields_are_checked() {
 
 #[test]
 fn a_check_stopped_before_its_first_layer_says_so_and_compares_nothing() {
-    use k3_run::stream::check::check_trunk;
+    use k3_engine::stream::check::check_trunk;
     use std::sync::atomic::AtomicBool;
     let (_dir, model, spec, trunk) = packed_tiny("check_stopped", "trunk");
     let n = TrunkManifest::load(&trunk, &spec)

@@ -5,12 +5,12 @@ mod stream_support;
 
 use std::ffi::c_char;
 
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::stream::experts::{EvictionPolicy, ExpertCache, ExpertCacheOptions};
+use k3_engine::stream::plugin::{PluginPolicy, load_eviction_plugin};
+use k3_engine::weights::ExpertSource;
 use k3_models::spec::ModelSpec;
 use k3_plugin_abi as abi;
-use k3_run::checkpoint::Checkpoint;
-use k3_run::stream::experts::{EvictionPolicy, ExpertCache, ExpertCacheOptions};
-use k3_run::stream::plugin::{PluginPolicy, load_eviction_plugin};
-use k3_run::weights::ExpertSource;
 use stream_support::*;
 
 fn cache2<'c>(spec: &'c ModelSpec, ck: &Checkpoint) -> ExpertCache<'c> {

@@ -3,12 +3,12 @@
 
 mod stream_support;
 
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::stream::aligned::align_up;
+use k3_engine::stream::pack::{TrunkManifest, pack_trunk};
+use k3_engine::stream::trunk::{MmapTrunk, PINNED_LOAD_DEPTH, StreamedTrunk, TrunkOptions};
+use k3_engine::weights::TrunkSource;
 use k3_models::spec::ModelSpec;
-use k3_run::checkpoint::Checkpoint;
-use k3_run::stream::aligned::align_up;
-use k3_run::stream::pack::{TrunkManifest, pack_trunk};
-use k3_run::stream::trunk::{MmapTrunk, PINNED_LOAD_DEPTH, StreamedTrunk, TrunkOptions};
-use k3_run::weights::TrunkSource;
 use stream_support::*;
 
 /// Ask for `layers` in this order and compare every tensor with the checkpoint.
@@ -88,19 +88,18 @@ fn opts(budget: u64, ring: usize) -> TrunkOptions {
         background_pinned: false,
         active_layers: None,
         // as the default I/O policy: the reserved pool when the system has one
-        pages: k3_run::stream::aligned::PageSource::ReservedFirst,
+        pages: k3_engine::stream::aligned::PageSource::ReservedFirst,
         pinned_page_cache: false,
     }
 }
 
 /// Drop trunk.bin's pages from the page cache (written back first, so they are clean).
 fn evict(trunk: &std::path::Path) {
-    use std::os::fd::AsRawFd;
+    use k3_engine::platform::{FileAdvice, advise_file};
     let f = std::fs::File::open(trunk.join("trunk.bin")).expect("trunk.bin");
     f.sync_all().expect("sync");
-    // SAFETY: fadvise on an open descriptor; it only drops clean cached pages.
-    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
+    // Drops only clean cached pages (Linux posix_fadvise; the tests run on Linux).
+    advise_file(&f, FileAdvice::DontNeed { offset: 0, len: 0 }).expect("posix_fadvise(DONTNEED)");
 }
 
 #[test]
@@ -459,7 +458,7 @@ fn mmap_policy_serves_the_same_bytes() {
 
 #[test]
 fn io_uring_pool_serves_the_same_bytes() {
-    use k3_run::stream::direct::ReadPool;
+    use k3_engine::stream::direct::ReadPool;
     let f = fixture("trunk_uring");
     let ck = open_ckpt(&f.model, &f.spec);
     let n = f.sizes.len();

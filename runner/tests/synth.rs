@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::synth::{self, SynthArgs, SynthSpec, mxfp4, tokenizer};
 use k3_models::spec::{ModelSpec, RoleScope, TensorDecl, TensorRole};
-use k3_run::checkpoint::Checkpoint;
-use k3_run::synth::{self, SynthArgs, SynthSpec, mxfp4, tokenizer};
 use sha2::{Digest, Sha256};
 
 fn repo() -> PathBuf {

@@ -17,8 +17,7 @@
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::{Value, json};
 
@@ -182,8 +181,11 @@ fn verify_hash_finds_what_sizes_cannot() {
 
 /// Ctrl-C while a large file is read: exit 5 and the unread file named; the next run keeps
 /// what the first finished and reads the rest.
+#[cfg(unix)] // interrupted with SIGINT (kill)
 #[test]
 fn verify_hash_interrupted_continues() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
     let (d, tree, n) = listed_copy("verify_hash_interrupt");
     let n = n + 1;
     // 3 GB of zeros that take no disk (sparse), listed with a wrong digest: reading it takes

@@ -7,11 +7,11 @@
 
 use std::path::{Path, PathBuf};
 
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::exec::{Executor, Providers};
+use k3_engine::plan::Plan;
+use k3_engine::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 use k3_models::spec::ModelSpec;
-use k3_run::checkpoint::Checkpoint;
-use k3_run::exec::{Executor, Providers};
-use k3_run::plan::Plan;
-use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
 
 /// Repository root (the parent of this crate's directory).
 pub fn repo_root() -> PathBuf {
@@ -75,8 +75,8 @@ impl Fixture {
 
 /// Load spec (built-in kimi-k3 manifest + the checkpoint's config.json) and open the checkpoint.
 pub fn open_model(dir: &Path) -> (ModelSpec, Checkpoint) {
-    let spec = k3_run::cli::load_spec(dir, None, None)
-        .unwrap_or_else(|f| panic!("load spec for {}: {}", dir.display(), f.msg));
+    let spec = k3_engine::model::load_spec(dir, None, None)
+        .unwrap_or_else(|e| panic!("load spec for {}: {e}", dir.display()));
     let ckpt =
         Checkpoint::open(dir, &spec).unwrap_or_else(|e| panic!("open {}: {e}", dir.display()));
     (spec, ckpt)
@@ -104,7 +104,7 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// A synthetic checkpoint written by `k3_run::synth` from `configs/synth/<spec>.toml` with
+/// A synthetic checkpoint written by `k3_engine::synth` from `configs/synth/<spec>.toml` with
 /// `seed`, plus its packed trunk, under `dir` (on disk under target/, never tmpfs: O_DIRECT
 /// alignment bugs hide on tmpfs). Written once; later calls reuse it. Returns (model, trunk).
 pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
@@ -114,7 +114,7 @@ pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
     let trunk = dir.join(format!("{spec}-s{seed}-trunk"));
     if !model.join("config.json").is_file() {
         let _ = std::fs::remove_dir_all(&model);
-        let args = k3_run::synth::SynthArgs {
+        let args = k3_engine::synth::SynthArgs {
             spec: repo_root()
                 .join("configs/synth")
                 .join(format!("{spec}.toml")),
@@ -123,12 +123,12 @@ pub fn synth_and_pack(spec: &str, seed: u64, dir: &Path) -> (PathBuf, PathBuf) {
             manifest: None,
             quiet: true,
         };
-        k3_run::synth::run(&args).unwrap_or_else(|e| panic!("synth {spec}: {e}"));
+        k3_engine::synth::run(&args).unwrap_or_else(|e| panic!("synth {spec}: {e}"));
     }
     if !trunk.join("trunk.json").is_file() {
         let _ = std::fs::remove_dir_all(&trunk);
         let (spec_m, _ck) = open_model(&model);
-        k3_run::stream::pack::run(&model, &spec_m, &trunk, None)
+        k3_engine::stream::pack::run(&model, &spec_m, &trunk, None)
             .unwrap_or_else(|e| panic!("pack {spec}: {e}"));
     }
     (model, trunk)
@@ -142,7 +142,7 @@ pub fn pack_compressed(model: &Path, chunk_bytes: u64, out: &Path) -> PathBuf {
     if !out.join("trunk.json").is_file() {
         let _ = std::fs::remove_dir_all(out);
         let (spec_m, _ck) = open_model(model);
-        k3_run::stream::pack::pack_trunk_with(model, &spec_m, out, false, Some(chunk_bytes))
+        k3_engine::stream::pack::pack_trunk_with(model, &spec_m, out, false, Some(chunk_bytes))
             .unwrap_or_else(|e| panic!("pack --compress {}: {e}", model.display()));
     }
     out.to_path_buf()
@@ -174,29 +174,29 @@ pub fn trunk_layer_sizes(trunk: &Path) -> Vec<u64> {
 
 pub fn run_with(
     model: &Path,
-    settings: &k3_run::session::MemorySettings,
+    settings: &k3_engine::session::MemorySettings,
     prompt: &[u32],
     n_gen: usize,
     threads: usize,
 ) -> (
     RunBits,
-    k3_run::weights::TrunkStats,
-    k3_run::weights::ExpertStats,
+    k3_engine::weights::TrunkStats,
+    k3_engine::weights::ExpertStats,
 ) {
     let (spec, ckpt) = open_model(model);
     let plan = Plan::new(&spec, prompt.len() + n_gen);
-    let mut session = k3_run::session::build(&spec, &ckpt, &plan, settings)
+    let mut session = k3_engine::session::build(&spec, &ckpt, &plan, settings)
         .unwrap_or_else(|e| panic!("build providers for {settings:?}: {e}"));
     let mut exec = Executor::new(&spec, plan, threads);
     // as the CLI does: workers spin only when every weight is in RAM
     session.configure_pool(exec.pool());
-    let req = k3_run::run::GenRequest {
+    let req = k3_engine::run::GenRequest {
         prompt_ids: prompt.to_vec(),
         n_gen,
         incremental: true,
         stop_ids: vec![],
     };
-    let r = k3_run::run::generate(
+    let r = k3_engine::run::generate(
         &spec,
         &mut exec,
         &mut session.providers,

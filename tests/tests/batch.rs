@@ -7,9 +7,9 @@
 use std::path::PathBuf;
 
 use k3_conformance::{open_model, synth_and_pack, trunk_layer_sizes};
-use k3_run::exec::{Executor, SeqState};
-use k3_run::plan::Plan;
-use k3_run::session::MemorySettings;
+use k3_engine::exec::{Executor, SeqState};
+use k3_engine::plan::Plan;
+use k3_engine::session::MemorySettings;
 
 const PROMPTS: [&[u32]; 3] = [&[3, 14, 15], &[92, 65, 35, 89, 79], &[2, 7]];
 const STEPS: usize = 5;
@@ -37,7 +37,7 @@ fn decode(
 ) -> (Vec<Vec<Vec<u32>>>, u64) {
     let (spec, ckpt) = open_model(model);
     let plan = Plan::new(&spec, 16);
-    let mut session = k3_run::session::build(&spec, &ckpt, &plan, settings).expect("providers");
+    let mut session = k3_engine::session::build(&spec, &ckpt, &plan, settings).expect("providers");
     let mut exec = Executor::new(&spec, plan, 2);
     session.configure_pool(exec.pool());
     let w = &mut session.providers;

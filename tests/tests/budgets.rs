@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use k3_conformance::{RunBits, pack_compressed, run_with, synth_and_pack, trunk_layer_sizes};
-use k3_run::session::MemorySettings;
-use k3_run::stream::io_policy::IoPolicy;
+use k3_engine::session::MemorySettings;
+use k3_engine::stream::io_policy::IoPolicy;
 
 const PROMPT: [u32; 6] = [3, 14, 15, 92, 65, 35];
 const N_GEN: usize = 6;
@@ -119,7 +119,7 @@ fn check_trunk(name: &str, model: &Path, trunk: &Path, compressed: bool) {
             );
         }
         if s.trunk_dir.is_some()
-            && s.io.trunk == k3_run::stream::io_policy::TrunkIo::Direct
+            && s.io.trunk == k3_engine::stream::io_policy::TrunkIo::Direct
             && s.ring_slots >= 2
             && tstats.pinned_layers < tstats.n_layers
         {
@@ -191,7 +191,7 @@ fn identical_output_from_a_compressed_trunk_odd9() {
         12 << 10,
         &dir().join(format!(
             "odd9-s3-trunk-{}-c12k",
-            k3_run::stream::compress::CODEC
+            k3_engine::stream::compress::CODEC
         )),
     );
     let j: serde_json::Value = serde_json::from_str(
@@ -211,7 +211,7 @@ fn identical_output_from_a_compressed_trunk_odd9() {
     check_trunk("odd9 compressed", &model, &trunk, true);
 
     let (spec, _ck) = k3_conformance::open_model(&model);
-    let err = k3_run::stream::trunk::MmapTrunk::open(&trunk, &spec)
+    let err = k3_engine::stream::trunk::MmapTrunk::open(&trunk, &spec)
         .map(|_| ())
         .expect_err("a compressed trunk cannot be mapped");
     assert!(
@@ -249,13 +249,13 @@ fn different_model_gives_different_bits() {
 fn cache_budget_above_the_model_is_planned_at_its_capacity() {
     let (model, _) = synth_and_pack("tiny", 1, &dir());
     let (spec, ckpt) = k3_conformance::open_model(&model);
-    let plan = k3_run::plan::Plan::new(&spec, 8);
+    let plan = k3_engine::plan::Plan::new(&spec, 8);
     let planned = |cache: u64| {
         let m = MemorySettings {
             cache_budget_bytes: Some(cache),
             ..MemorySettings::default()
         };
-        k3_run::session::build(&spec, &ckpt, &plan, &m)
+        k3_engine::session::build(&spec, &ckpt, &plan, &m)
             .expect("providers build")
             .planned_bytes
     };
@@ -285,14 +285,14 @@ fn cache_budget_above_the_model_is_planned_at_its_capacity() {
 fn mapped_embedding_is_planned_per_request_not_whole() {
     let (model, trunk) = synth_and_pack("tiny", 1, &dir());
     let (spec, ckpt) = k3_conformance::open_model(&model);
-    let plan = k3_run::plan::Plan::new(&spec, 8);
+    let plan = k3_engine::plan::Plan::new(&spec, 8);
     assert!(plan.embed_bytes > 0 && plan.embed_bytes < plan.global_bytes);
-    let mapped = k3_run::session::build(&spec, &ckpt, &plan, &MemorySettings::default())
+    let mapped = k3_engine::session::build(&spec, &ckpt, &plan, &MemorySettings::default())
         .expect("resident, mapped");
     assert!(mapped.mapped_embedding);
     // trunk and experts mapped (not planned); lm_head + norms planned; the embedding not
     assert_eq!(mapped.planned_bytes, plan.global_bytes - plan.embed_bytes);
-    let line = k3_run::session::check_states(&plan, 8, 1, mapped.planned_bytes, true, None)
+    let line = k3_engine::session::check_states(&plan, 8, 1, mapped.planned_bytes, true, None)
         .expect("no limit");
     assert!(line.contains("embedding rows through the map"), "{line}");
     let ultra = MemorySettings {
@@ -300,13 +300,13 @@ fn mapped_embedding_is_planned_per_request_not_whole() {
         ultra_low_memory: true,
         ..MemorySettings::default()
     };
-    let u = k3_run::session::build(&spec, &ckpt, &plan, &ultra).expect("ultra");
+    let u = k3_engine::session::build(&spec, &ckpt, &plan, &ultra).expect("ultra");
     assert!(!u.mapped_embedding);
     let streamed_trunk = MemorySettings {
         trunk_dir: Some(trunk),
         ..MemorySettings::default()
     };
-    let t = k3_run::session::build(&spec, &ckpt, &plan, &streamed_trunk).expect("trunk");
+    let t = k3_engine::session::build(&spec, &ckpt, &plan, &streamed_trunk).expect("trunk");
     // the same trunk plan; ultra holds a chunk buffer instead of lm_head
     let lm_head_and_norms = plan.global_bytes - plan.embed_bytes;
     assert!(u.planned_bytes > t.planned_bytes - lm_head_and_norms);
@@ -322,13 +322,13 @@ fn kernel_workers_spin_only_when_the_trunk_is_in_ram() {
     use std::time::Duration;
     let (model, trunk) = synth_and_pack("tiny", 1, &dir());
     let (spec, ckpt) = k3_conformance::open_model(&model);
-    let plan = k3_run::plan::Plan::new(&spec, 8);
+    let plan = k3_engine::plan::Plan::new(&spec, 8);
     let total: u64 = trunk_layer_sizes(&trunk)
         .iter()
         .map(|s| s.next_multiple_of(4096))
         .sum();
     let spin = |m: MemorySettings| {
-        let session = k3_run::session::build(&spec, &ckpt, &plan, &m).expect("providers build");
+        let session = k3_engine::session::build(&spec, &ckpt, &plan, &m).expect("providers build");
         let pool = k3_kernels::Pool::new(2);
         pool.set_spin(Duration::from_micros(7));
         let line = session

@@ -7,10 +7,10 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use k3_conformance::{open_model, synth_and_pack};
-use k3_run::exec::{Executor, PREFILL_CHUNK, SeqState};
-use k3_run::plan::Plan;
-use k3_run::session::MemorySettings;
-use k3_run::stream::trace::TOKEN_MARK;
+use k3_engine::exec::{Executor, PREFILL_CHUNK, SeqState};
+use k3_engine::plan::Plan;
+use k3_engine::session::MemorySettings;
+use k3_engine::stream::trace::TOKEN_MARK;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("expert_major")
@@ -59,7 +59,7 @@ fn a_prompt_and_a_batch_read_each_routed_expert_once_per_layer() {
             .count();
 
         // One by one: every token's own top-k per MoE layer.
-        let mut s1 = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+        let mut s1 = k3_engine::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
         let mut exec = Executor::new(&spec, plan.clone(), 2);
         let mut st = SeqState::new(&spec);
         let mut want_logits = vec![0.0; v];
@@ -72,7 +72,7 @@ fn a_prompt_and_a_batch_read_each_routed_expert_once_per_layer() {
 
         // Layer-major: one call.
         assert!(prompt.len() <= PREFILL_CHUNK);
-        let mut s2 = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+        let mut s2 = k3_engine::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
         let mut st2 = SeqState::new(&spec);
         let mut got_logits = vec![0.0; v];
         exec.prefill(&prompt, &mut st2, &mut s2.providers, &mut got_logits)
@@ -111,7 +111,8 @@ fn a_prompt_and_a_batch_read_each_routed_expert_once_per_layer() {
         let mut alone = Vec::new();
         let mut union_per_layer: Vec<BTreeSet<u32>> = vec![BTreeSet::new(); spec.n_layers];
         for (p, &t) in prompts.iter().zip(&next) {
-            let mut s = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+            let mut s =
+                k3_engine::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
             let mut st = SeqState::new(&spec);
             let mut lg = vec![0.0; v];
             exec.prefill(p, &mut st, &mut s.providers, &mut lg)
@@ -125,7 +126,7 @@ fn a_prompt_and_a_batch_read_each_routed_expert_once_per_layer() {
             }
             alone.push(bits(&lg));
         }
-        let mut s3 = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+        let mut s3 = k3_engine::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
         let mut states: Vec<SeqState> = prompts.iter().map(|_| SeqState::new(&spec)).collect();
         let mut logits: Vec<Vec<f32>> = prompts.iter().map(|_| vec![0.0; v]).collect();
         exec.prefill_batch(&prompts, &mut states, &mut s3.providers, &mut logits)
@@ -157,7 +158,7 @@ fn layer_hook_counts_prompt_token_layers() {
     let prompt: Vec<u32> = (0..20u32).map(|i| (i * 13 + 5) % 200).collect();
     let v = spec.vocab_size;
     let run = |hooked: bool| {
-        let mut s = k3_run::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
+        let mut s = k3_engine::session::build(&spec, &ckpt, &plan, &settings).expect("providers");
         let mut exec = Executor::new(&spec, plan.clone(), 2);
         let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
         if hooked {

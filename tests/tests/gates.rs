@@ -16,7 +16,7 @@
 use std::io::Write;
 
 use k3_conformance::{Fixture, executor, open_model, resident, top_k};
-use k3_run::run::{self, GenRequest};
+use k3_engine::run::{self, GenRequest};
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()

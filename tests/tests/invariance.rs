@@ -11,9 +11,9 @@
 use std::sync::Mutex;
 
 use k3_conformance::{Fixture, executor, open_model, resident};
+use k3_engine::exec::SeqState;
+use k3_engine::run::{self, GenRequest};
 use k3_kernels::isa::{self, Isa};
-use k3_run::exec::SeqState;
-use k3_run::run::{self, GenRequest};
 
 /// Serialises the tests of this binary: the active ISA is process-wide state.
 static ISA_LOCK: Mutex<()> = Mutex::new(());

@@ -1,6 +1,6 @@
 //! A shape no other test uses (issue 3, "Done means"): `configs/synth/odd9.toml` — 9 layers
 //! (KKKMKKKMM), AttnRes block 2, 8 experts top-3, one shared expert, vocab 384 — written by
-//! `k3_run::synth` at test time, loaded through the strict loader, and decoded with full
+//! `k3_engine::synth` at test time, loaded through the strict loader, and decoded with full
 //! recompute and incremental decode at 1 and 3 threads.
 //!
 //! Owns: the odd-shape checks (loads; full == incremental ids and logit bits at every step;
@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use k3_conformance::{executor, open_model, repo_root, resident};
+use k3_engine::exec::SeqState;
+use k3_engine::run::{self, GenRequest, GenResult};
+use k3_engine::synth::{self, SynthArgs};
 use k3_models::spec::AttnKind;
-use k3_run::exec::SeqState;
-use k3_run::run::{self, GenRequest, GenResult};
-use k3_run::synth::{self, SynthArgs};
 
 const SEED: u64 = 9;
 const PROMPT: [u32; 7] = [3, 141, 59, 265, 35, 383, 97];

@@ -1,4 +1,4 @@
-//! The pipeline across ranks (`k3_run::pipeline`, docs/MPI.md) with ranks as threads joined
+//! The pipeline across ranks (`k3_engine::pipeline`, docs/MPI.md) with ranks as threads joined
 //! by channels: the same drivers, messages and executor stage hooks the MPI ranks run, without
 //! MPI. At every split (1, 2, 3 ranks; balanced and uneven) and batch size (1, 2, 4) the ids
 //! and the first-step logit bits equal the single-process batch run; a rank that cannot load
@@ -8,14 +8,14 @@ use std::ops::Range;
 use std::time::Duration;
 
 use k3_conformance::{Fixture, open_model};
-use k3_models::spec::ModelSpec;
-use k3_run::checkpoint::Checkpoint;
-use k3_run::exec::Executor;
-use k3_run::pipeline::{
+use k3_engine::checkpoint::Checkpoint;
+use k3_engine::exec::Executor;
+use k3_engine::pipeline::{
     self, PipeError, PipeRequest, RankSettings, Split, Stage, local::links, split_layers,
 };
-use k3_run::plan::Plan;
-use k3_run::run::{BatchResult, generate_batch};
+use k3_engine::plan::Plan;
+use k3_engine::run::{BatchResult, generate_batch};
+use k3_models::spec::ModelSpec;
 
 const PROMPTS: [&[u32]; 4] = [&[1, 2, 3], &[4, 5], &[7], &[9, 8, 7, 6, 5, 4, 3]];
 const N_GEN: usize = 5;
@@ -72,7 +72,7 @@ fn pipelined(
                     // the second rank pins only part of its layers: mapped layers serve too
                     trunk_budget: if rank == 1 { 300_000 } else { u64::MAX / 2 },
                     cache_budget: (rank == 2).then_some(2_000_000),
-                    io: k3_run::stream::io_policy::IoPolicy::direct(),
+                    io: k3_engine::stream::io_policy::IoPolicy::direct(),
                 };
                 let (providers, pinned, _) = pipeline::rank_providers(spec, ckpt, &rs).unwrap();
                 let exec = Executor::new(spec, Plan::new(spec, POSITIONS), 1);

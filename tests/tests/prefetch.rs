@@ -9,9 +9,9 @@
 use std::path::{Path, PathBuf};
 
 use k3_conformance::{open_model, run_with, synth_and_pack, trunk_layer_sizes};
-use k3_run::session::{DEFAULT_PREFETCH_MARGIN, MemorySettings};
-use k3_run::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
-use k3_run::weights::ExpertSource;
+use k3_engine::session::{DEFAULT_PREFETCH_MARGIN, MemorySettings};
+use k3_engine::stream::experts::{ExpertCache, ExpertCacheOptions, SlotState};
+use k3_engine::weights::ExpertSource;
 
 const PROMPT: [u32; 6] = [3, 14, 15, 92, 65, 35];
 const N_GEN: usize = 6;
@@ -22,7 +22,7 @@ fn dir() -> PathBuf {
 
 /// Buffer bytes of one cached expert of `model` (the cache budget unit).
 /// The six tensors of one served expert, concatenated in field order.
-fn expert_bytes(e: &k3_run::weights::ExpertWeights<'_>) -> Vec<u8> {
+fn expert_bytes(e: &k3_engine::weights::ExpertWeights<'_>) -> Vec<u8> {
     [
         e.w1_packed,
         e.w1_scale,
@@ -37,7 +37,7 @@ fn expert_bytes(e: &k3_run::weights::ExpertWeights<'_>) -> Vec<u8> {
 /// A streamed expert cache of `budget` bytes over `ckpt`.
 fn cache_with<'c>(
     spec: &'c k3_models::spec::ModelSpec,
-    ckpt: &k3_run::checkpoint::Checkpoint,
+    ckpt: &k3_engine::checkpoint::Checkpoint,
     budget: u64,
 ) -> ExpertCache<'c> {
     ExpertCache::new(
@@ -193,7 +193,7 @@ fn moe_layer(spec: &k3_models::spec::ModelSpec) -> usize {
 fn tiny_moe() -> (
     PathBuf,
     k3_models::spec::ModelSpec,
-    k3_run::checkpoint::Checkpoint,
+    k3_engine::checkpoint::Checkpoint,
     usize,
     u64,
 ) {
@@ -208,7 +208,7 @@ fn tiny_moe() -> (
 /// plain demand read.
 fn bytes_per_read(
     spec: &k3_models::spec::ModelSpec,
-    ckpt: &k3_run::checkpoint::Checkpoint,
+    ckpt: &k3_engine::checkpoint::Checkpoint,
     l: usize,
 ) -> u64 {
     let mut c = ExpertCache::new(spec, ckpt, &ExpertCacheOptions::default()).expect("cache");
@@ -229,7 +229,7 @@ fn prefetch_served_requests_are_not_resident_hits() {
     c.prefetch(l, &[1, 2, 3]);
     let want: Vec<Vec<u8>> = {
         let (s2, ck2) = open_model(&model);
-        let mut r = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+        let mut r = k3_engine::resident::ResidentExperts::new(&s2, &ck2);
         r.experts(l, &[1, 3, 7])
             .expect("resident")
             .iter()
@@ -298,7 +298,7 @@ fn tiny_caches_neither_deadlock_nor_read_twice() {
         *sizes.iter().max().expect("sizes"),
     );
     let (s2, ck2) = open_model(&model);
-    let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+    let mut resident = k3_engine::resident::ResidentExperts::new(&s2, &ck2);
     for slots in [0u64, 1, 2, 3] {
         let mut c = cache_with(&spec, &ckpt, slots * per);
         c.set_prefetch_margin(Some(DEFAULT_PREFETCH_MARGIN));
@@ -377,7 +377,7 @@ fn look_ahead_guess_waits_for_the_current_request_and_serves_the_next() {
     .map(|&(layer, id)| cost(layer, id))
     .sum();
     let (s2, ck2) = open_model(&model);
-    let mut resident = k3_run::resident::ResidentExperts::new(&s2, &ck2);
+    let mut resident = k3_engine::resident::ResidentExperts::new(&s2, &ck2);
     // Room for exactly the current request (3) and the guess (3).
     let mut c = cache_with(&spec, &ckpt, 6 * per);
     c.begin_token();
@@ -556,11 +556,11 @@ impl ExpertSource for Recorder<'_> {
         &mut self,
         layer: usize,
         ids: &[u32],
-    ) -> Result<Vec<k3_run::weights::ExpertWeights<'_>>, k3_run::weights::WeightError> {
+    ) -> Result<Vec<k3_engine::weights::ExpertWeights<'_>>, k3_engine::weights::WeightError> {
         self.calls.lock().unwrap().push(("serve", layer));
         self.inner.experts(layer, ids)
     }
-    fn stats(&self) -> k3_run::weights::ExpertStats {
+    fn stats(&self) -> k3_engine::weights::ExpertStats {
         self.inner.stats()
     }
     fn prefetch(&mut self, layer: usize, _ids: &[u32]) {
@@ -580,7 +580,7 @@ impl ExpertSource for Recorder<'_> {
 /// tokens guesses no layer ahead.
 #[test]
 fn look_ahead_guesses_two_moe_layers_ahead_in_decode() {
-    assert_eq!(k3_run::exec::DEFAULT_LOOKAHEAD_DEPTH, 2);
+    assert_eq!(k3_engine::exec::DEFAULT_LOOKAHEAD_DEPTH, 2);
     let (model, _) = synth_and_pack("tiny", 1, &dir());
     let (spec, ckpt) = open_model(&model);
     let moe: Vec<usize> = (0..spec.n_layers)
@@ -592,12 +592,12 @@ fn look_ahead_guesses_two_moe_layers_ahead_in_decode() {
     w.experts = Box::new(Recorder {
         inner: std::mem::replace(
             &mut w.experts,
-            Box::new(k3_run::resident::ResidentExperts::new(&spec, &ckpt)),
+            Box::new(k3_engine::resident::ResidentExperts::new(&spec, &ckpt)),
         ),
         calls: std::sync::Arc::clone(&calls),
     });
     let mut exec = k3_conformance::executor(&spec, 8, 2);
-    let mut state = k3_run::exec::SeqState::new(&spec);
+    let mut state = k3_engine::exec::SeqState::new(&spec);
     let mut logits = vec![0.0f32; spec.vocab_size];
     exec.prefill(&[3, 14], &mut state, &mut w, &mut logits)
         .expect("prompt");

@@ -18,7 +18,7 @@
 use std::path::PathBuf;
 
 use k3_conformance::{run_with, synth_and_pack, trunk_layer_sizes};
-use k3_run::session::MemorySettings;
+use k3_engine::session::MemorySettings;
 
 const PROMPT: [u32; 4] = [3, 14, 15, 92];
 const N_GEN: usize = 3;

@@ -6,12 +6,12 @@
 use std::path::PathBuf;
 
 use k3_conformance::{open_model, synth_and_pack};
-use k3_run::arena::{Arena, ArenaOptions};
-use k3_run::exec::{Executor, SeqState};
-use k3_run::plan::Plan;
-use k3_run::resident::ResidentMode;
-use k3_run::session::{MemorySettings, build_with};
-use k3_run::stream::io_policy::IoPolicy;
+use k3_engine::arena::{Arena, ArenaOptions};
+use k3_engine::exec::{Executor, SeqState};
+use k3_engine::plan::Plan;
+use k3_engine::resident::ResidentMode;
+use k3_engine::session::{MemorySettings, build_with};
+use k3_engine::stream::io_policy::IoPolicy;
 
 const PROMPT: [u32; 5] = [3, 14, 15, 92, 65];
 const N_GEN: usize = 6;
@@ -50,7 +50,7 @@ fn arena_holds_the_checkpoint_bytes_at_the_same_alignment() {
         },
         // the reserved huge-page pool when the system has one (else as the first)
         ArenaOptions {
-            pages: k3_run::stream::aligned::PageSource::ReservedFirst,
+            pages: k3_engine::stream::aligned::PageSource::ReservedFirst,
             progress: false,
             ..ArenaOptions::default()
         },

@@ -1,4 +1,4 @@
-//! Speculative decoding (`--speculate K`, `k3_run::speculate`): the verify pass
+//! Speculative decoding (`--speculate K`, `k3_engine::speculate`): the verify pass
 //! (`Executor::prefill_each`) gives every position's logits bit-identical to one-token steps;
 //! `SeqState::rewind` undoes fed tokens exactly; and generation with guesses gives the same
 //! ids, first-step logits and final state as plain greedy decoding, resident and with a
@@ -8,11 +8,11 @@
 use std::path::PathBuf;
 
 use k3_conformance::{open_model, repo_root, resident, synth_and_pack, trunk_layer_sizes};
-use k3_run::exec::{Executor, LayerState, Providers, SeqState};
-use k3_run::plan::Plan;
-use k3_run::run::{GenOptions, GenRequest, generate_from, generate_with};
-use k3_run::session::MemorySettings;
-use k3_run::speculate::{SpecStats, Speculation};
+use k3_engine::exec::{Executor, LayerState, Providers, SeqState};
+use k3_engine::plan::Plan;
+use k3_engine::run::{GenOptions, GenRequest, generate_from, generate_with};
+use k3_engine::session::MemorySettings;
+use k3_engine::speculate::{SpecStats, Speculation};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -108,7 +108,7 @@ fn compare(model: &std::path::Path, settings: &MemorySettings, label: &str) -> S
     let prompts: [&[u32]; 3] = [&[1, 2, 3, 4], &[200, 201, 200, 201, 200, 201], &[9, 9, 9]];
     let n_gen = 60;
     let plan = Plan::new(&spec, 6 + n_gen);
-    let mut session = k3_run::session::build(&spec, &ckpt, &plan, settings).expect("providers");
+    let mut session = k3_engine::session::build(&spec, &ckpt, &plan, settings).expect("providers");
     let mut exec = Executor::new(&spec, plan, 2);
     session.configure_pool(exec.pool());
     let w = &mut session.providers;

@@ -45,21 +45,31 @@ pub use tokenizer::{Decoder, Tokenizer, TokenizerError};
 /// file is an error saying so, not a read that blocks (a FIFO without a writer) or never ends
 /// (`/dev/zero`). (The same rule as `k3_models::load::read_regular_bytes`; this crate depends on
 /// no other k3 crate.)
+/// What a non-regular file is ("a directory", "a FIFO (named pipe)", ...).
+fn special_file_kind(t: std::fs::FileType) -> &'static str {
+    if t.is_dir() {
+        return "a directory";
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        } else if t.is_char_device() {
+            return "a character device";
+        } else if t.is_block_device() {
+            return "a block device";
+        } else if t.is_socket() {
+            return "a socket";
+        }
+    }
+    "a special file"
+}
+
 pub(crate) fn read_regular(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::FileTypeExt;
     let t = std::fs::metadata(path)?.file_type();
     if !t.is_file() {
-        let what = if t.is_dir() {
-            "a directory"
-        } else if t.is_fifo() {
-            "a FIFO (named pipe)"
-        } else if t.is_char_device() {
-            "a character device"
-        } else if t.is_block_device() {
-            "a block device"
-        } else {
-            "a socket"
-        };
+        let what = special_file_kind(t);
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             format!("is {what}, not a regular file"),

@@ -101,22 +101,19 @@ pub(super) struct SampleFiles(pub(super) std::collections::HashMap<usize, std::f
 
 impl SampleFiles {
     pub(super) fn read(&mut self, path: &Path, shard: usize, at: u64, n: usize) -> Option<Vec<u8>> {
+        use crate::platform::{self, FileAdvice};
         use std::collections::hash_map::Entry;
-        use std::os::unix::fs::FileExt;
-        use std::os::unix::io::AsRawFd;
         let f = match self.0.entry(shard) {
             Entry::Occupied(o) => o.into_mut(),
             Entry::Vacant(v) => {
                 let f = std::fs::File::open(path).ok()?;
-                // SAFETY: a valid open descriptor; advice only changes read-ahead.
-                unsafe {
-                    libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
-                }
+                // Advice only: changes read-ahead (absent on Windows).
+                let _ = platform::advise_file(&f, FileAdvice::Random);
                 v.insert(f)
             }
         };
         let mut buf = vec![0u8; n];
-        f.read_exact_at(&mut buf, at).ok()?;
+        platform::read_exact_at(f, &mut buf, at).ok()?;
         Some(buf)
     }
 }

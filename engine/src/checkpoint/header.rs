@@ -14,7 +14,6 @@
 //! tensor's name instead of failing the whole header anonymously.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::error::CheckpointError;
@@ -120,7 +119,7 @@ pub fn read_shard_header(path: &Path) -> Result<ShardHeader, CheckpointError> {
         return Err(bad_len(0));
     }
     let mut len_bytes = [0u8; 8];
-    file.read_exact_at(&mut len_bytes, 0)
+    crate::platform::read_exact_at(&file, &mut len_bytes, 0)
         .map_err(|e| io_err(path, "read header length", e))?;
     let header_len = u64::from_le_bytes(len_bytes);
     if header_len < 2 || header_len > limit || header_len > file_len - 8 {
@@ -128,7 +127,7 @@ pub fn read_shard_header(path: &Path) -> Result<ShardHeader, CheckpointError> {
     }
     let n = usize::try_from(header_len).map_err(|_| bad_len(header_len))?;
     let mut json = vec![0u8; n];
-    file.read_exact_at(&mut json, 8)
+    crate::platform::read_exact_at(&file, &mut json, 8)
         .map_err(|e| io_err(path, "read header", e))?;
     let data_start = 8 + header_len;
     let entries = parse_header_json(path, &json)?;

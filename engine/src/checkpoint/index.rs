@@ -255,7 +255,7 @@ pub(super) fn shard_kind(path: &Path) -> ShardKind {
             )),
             Err(_) => ShardKind::Missing,
         },
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+        Err(e) if crate::platform::is_symlink_loop(&e) => {
             ShardKind::Other(format!("is a symlink loop ({e})"))
         }
         Err(e) => ShardKind::Other(format!("cannot be examined ({e})")),

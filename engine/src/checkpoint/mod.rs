@@ -156,11 +156,7 @@ pub fn advise_willneed(bytes: &[u8]) {
     if bytes.is_empty() {
         return;
     }
-    // SAFETY: sysconf has no memory effects.
-    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-        .ok()
-        .filter(|p| p.is_power_of_two())
-        .unwrap_or(4096);
+    let page = crate::platform::page_size();
     let addr = bytes.as_ptr() as usize;
     let start = addr & !(page - 1);
     let last = (addr + bytes.len() - 1) & !(page - 1);
@@ -174,8 +170,8 @@ pub fn advise_willneed(bytes: &[u8]) {
         let mut v = 0u8;
         // SAFETY: `p` is a page of the mapping `bytes` lies in (see below); mincore writes one
         // byte per page of the one-page range into `v`.
-        let rc = unsafe { libc::mincore(p as *mut libc::c_void, page, &mut v) };
-        rc == 0 && v & 1 == 1
+        let r = unsafe { crate::platform::resident_pages(p, page, std::slice::from_mut(&mut v)) };
+        r.is_ok() && v & 1 == 1
     };
     if last >= start + 2 * page && cached(start + page) && cached(last - page) {
         return;
@@ -183,9 +179,8 @@ pub fn advise_willneed(bytes: &[u8]) {
     // SAFETY: [start, start + len) lies inside the mapping `bytes` was taken from (mappings
     // begin on a page boundary, and `start` is `bytes`' first page); MADV_WILLNEED does not
     // change the memory's contents or validity.
-    unsafe {
-        libc::madvise(start as *mut libc::c_void, len, libc::MADV_WILLNEED);
-    }
+    let _ =
+        unsafe { crate::platform::advise_memory(start, len, crate::platform::MemAdvice::WillNeed) };
 }
 
 fn map_shard(header: &ShardHeader) -> Result<Mmap, CheckpointError> {

@@ -161,7 +161,6 @@ impl Checkpoint {
     /// on a cold mapping reads a whole read-ahead window (8 MiB on some VMs), so checking one
     /// 1 KB tensor per layer that way read hundreds of MB at start-up.
     pub(super) fn f32_vec_pread(&self, decl: &TensorDecl) -> Result<Vec<f32>, CheckpointError> {
-        use std::os::unix::fs::FileExt;
         let Some(loc) = self.try_location(&decl.name) else {
             return Ok(self.f32_vec(decl)); // unreachable after check_against_spec
         };
@@ -172,7 +171,7 @@ impl Checkpoint {
         };
         let mut b = vec![0u8; loc.n_bytes as usize];
         File::open(&loc.shard_path)
-            .and_then(|f| f.read_exact_at(&mut b, loc.file_offset))
+            .and_then(|f| crate::platform::read_exact_at(&f, &mut b, loc.file_offset))
             .map_err(io)?;
         Ok(b.chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -256,8 +255,7 @@ impl Checkpoint {
         files: &mut Vec<Option<File>>,
         buf: &mut Vec<u8>,
     ) -> Result<(), CheckpointError> {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::FileExt;
+        use crate::platform::{self, FileAdvice};
         let e = self
             .table
             .get(&decl.name)
@@ -275,17 +273,14 @@ impl Checkpoint {
             Some(f) => f,
             slot @ None => {
                 let f = File::open(&shard.path).map_err(io)?;
-                // SAFETY: a valid descriptor owned by `f`. Advice only: no read-ahead for
-                // these small scattered reads.
-                unsafe {
-                    libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
-                }
+                // Advice only: no read-ahead for these small scattered reads (absent on
+                // Windows).
+                let _ = platform::advise_file(&f, FileAdvice::Random);
                 slot.insert(f)
             }
         };
         buf.resize((e.end - e.begin) as usize, 0);
-        f.read_exact_at(buf, shard.data_start + e.begin)
-            .map_err(io)?;
+        platform::read_exact_at(f, buf, shard.data_start + e.begin).map_err(io)?;
         check_e8m0(&shard.path, &decl.name, buf)
     }
 

@@ -24,6 +24,8 @@ use std::io;
 use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
 
+use crate::platform::{self, AnonMap, MemAdvice};
+
 /// The alignment every buffer (address and capacity) satisfies: the common O_DIRECT limit.
 pub const IO_ALIGN: usize = 4096;
 /// Transparent huge page size on x86-64 / most arm64 kernels; large buffers align to it.
@@ -54,32 +56,34 @@ pub fn align_down(n: u64, align: u64) -> u64 {
     n & !(align - 1)
 }
 
-/// One anonymous mapping (already trimmed to its aligned range); unmapped when the last
-/// buffer carved from it is dropped.
+/// One anonymous mapping ([`AnonMap`], aligned); unmapped when the last buffer carved from it
+/// is dropped.
 #[derive(Debug)]
 struct Region {
     start: NonNull<u8>,
     len: usize,
     /// Pages of the reserved huge-page pool (`MAP_HUGETLB`).
     hugetlb: bool,
+    /// Owns the memory; unmapped on drop.
+    _map: AnonMap,
 }
 
-// SAFETY: the region is only ever unmapped (in Drop, once); all access to its bytes goes
-// through the disjoint `AlignedBuf`s carved from it.
+// SAFETY: the region is only ever unmapped (when its AnonMap drops, once); all access to its
+// bytes goes through the disjoint `AlignedBuf`s carved from it.
 unsafe impl Send for Region {}
 // SAFETY: see above.
 unsafe impl Sync for Region {}
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: `start..start+len` is exactly the range kept mapped in `Region::map`.
-        unsafe {
-            libc::munmap(self.start.as_ptr() as *mut libc::c_void, self.len);
+impl Region {
+    fn from_map(map: AnonMap) -> Region {
+        Region {
+            start: map.start(),
+            len: map.len(),
+            hugetlb: map.huge_reserved(),
+            _map: map,
         }
     }
-}
 
-impl Region {
     /// Map `capacity` zeroed bytes (a multiple of 4096) starting at a multiple of `align`;
     /// advise huge pages when `align >= HUGE_PAGE`. Returns the region and whether the advice
     /// was accepted. With [`PageSource::ReservedFirst`] and `align == HUGE_PAGE`, first try the
@@ -96,93 +100,32 @@ impl Region {
         {
             return Ok((r, true));
         }
-        // Over-allocate by `align - page` so an aligned start exists, then trim both ends.
-        let slack = align - IO_ALIGN;
-        let map_len = capacity
-            .checked_add(slack)
+        capacity
+            .checked_add(align)
             .ok_or_else(|| too_big(len_for_errors))?;
-        // SAFETY: anonymous private mapping with no address hint; the result is checked.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            let e = io::Error::last_os_error();
-            return Err(io::Error::new(
-                e.kind(),
-                format!("mmap of a {map_len}-byte anonymous buffer failed: {e}"),
-            ));
-        }
-        let base_addr = base as usize;
-        let start = align_up(base_addr as u64, align as u64) as usize;
-        let head = start - base_addr;
-        let tail = map_len - head - capacity;
-        // SAFETY: both ranges lie inside the mapping just created and are page-aligned
-        // (mmap returns page-aligned addresses; `head`, `capacity` and `slack` are multiples
-        // of 4096). Unmapping slack never touches the region we keep.
-        unsafe {
-            if head > 0 {
-                libc::munmap(base, head);
-            }
-            if tail > 0 {
-                libc::munmap((start + capacity) as *mut libc::c_void, tail);
-            }
-        }
+        let map = AnonMap::new(capacity, align)?;
         let mut huge_pages = false;
         if align >= HUGE_PAGE {
-            // SAFETY: the range is our own mapping; MADV_HUGEPAGE is only a hint.
-            let rc =
-                unsafe { libc::madvise(start as *mut libc::c_void, capacity, libc::MADV_HUGEPAGE) };
-            huge_pages = rc == 0;
+            // SAFETY: the range is our own mapping; huge-page advice is only a hint (absent
+            // off Linux: the buffer keeps the base pages).
+            huge_pages = unsafe {
+                platform::advise_memory(
+                    map.start().as_ptr() as usize,
+                    capacity,
+                    MemAdvice::HugePage,
+                )
+            }
+            .is_ok();
         }
-        let start = NonNull::new(start as *mut u8).ok_or_else(|| {
-            io::Error::other("mmap returned a null aligned start (impossible for a valid mapping)")
-        })?;
-        Ok((
-            Region {
-                start,
-                len: capacity,
-                hugetlb: false,
-            },
-            huge_pages,
-        ))
+        Ok((Region::from_map(map), huge_pages))
     }
 
     /// `capacity` bytes (rounded up to 2 MiB) of the reserved huge-page pool, or `None` when
-    /// the pool cannot reserve them all (none configured, too few free, or not 2 MiB pages).
+    /// the pool cannot reserve them all (none configured, too few free, not 2 MiB pages, or a
+    /// platform without one).
     fn map_reserved(capacity: usize) -> Option<Region> {
         let len = usize::try_from(align_up(capacity as u64, HUGE_PAGE as u64)).ok()?;
-        // SAFETY: anonymous private mapping with no address hint; the result is checked.
-        // Without MAP_NORESERVE the kernel reserves every page now or fails with ENOMEM, so
-        // no later fault on the range can fail for want of a page.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return None;
-        }
-        let region = Region {
-            // SAFETY: mmap succeeded, so `base` is not null.
-            start: unsafe { NonNull::new_unchecked(base as *mut u8) },
-            len,
-            hugetlb: true,
-        };
-        // A hugetlb mapping starts on a huge page; anything else is not what was asked for
-        // (dropping the region unmaps it).
-        (base as usize).is_multiple_of(HUGE_PAGE).then_some(region)
+        AnonMap::reserved_huge(len).map(Region::from_map)
     }
 }
 
@@ -457,7 +400,8 @@ fn too_big(len: usize) -> io::Error {
 }
 
 /// `madvise(MADV_POPULATE_WRITE)` over each region in 8 MiB steps, in order; stops quietly at
-/// the first refusal (older kernels: the readers then fault their pages themselves).
+/// the first refusal (older kernels, macOS, Windows: the readers then fault their pages
+/// themselves).
 pub fn populate_ahead(regions: &[(usize, usize)]) {
     populate_ahead_while(regions, || true);
 }
@@ -465,7 +409,6 @@ pub fn populate_ahead(regions: &[(usize, usize)]) {
 /// [`populate_ahead`], stopping before any step for which `go()` is false (a load that was
 /// cancelled: its buffers are about to be freed).
 pub fn populate_ahead_while(regions: &[(usize, usize)], go: impl Fn() -> bool) {
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
     const STEP: usize = 8 << 20;
     for &(addr, len) in regions {
         let mut off = 0;
@@ -477,9 +420,8 @@ pub fn populate_ahead_while(regions: &[(usize, usize)], go: impl Fn() -> bool) {
             // SAFETY: the range lies inside a live anonymous mapping owned by the caller (the
             // pinned buffers outlive the scope this runs in); POPULATE_WRITE only faults pages
             // in and never changes the contents of a page already present.
-            let rc =
-                unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
-            if rc != 0 {
+            let r = unsafe { platform::advise_memory(addr + off, n, MemAdvice::PopulateWrite) };
+            if r.is_err() {
                 return;
             }
             off += n;
@@ -571,7 +513,7 @@ mod tests {
 
     /// Free 2 MiB pages of the reserved pool, from /proc/meminfo (0 when there is none).
     fn pool_free_pages() -> u64 {
-        crate::machine::reserved_pool_free_bytes().unwrap_or(0) / HUGE_PAGE as u64
+        crate::platform::memory::reserved_pool_free_bytes().unwrap_or(0) / HUGE_PAGE as u64
     }
 
     /// Reserved-first buffers behave like any other: aligned, zeroed, writable, and on the

@@ -1,8 +1,9 @@
 //! Direct (page-cache bypassing) positional reads, with a reported fallback, and a small pool
 //! that issues many reads in parallel.
 //!
-//! Owns: opening a file with `O_DIRECT`, learning its alignment from `statx(STATX_DIOALIGN)`
-//! (default 4096), rounding each requested `(offset, len)` out to that alignment, reading into
+//! Owns: opening a file for uncached reads through [`crate::platform`] (`O_DIRECT` on Linux,
+//! `F_NOCACHE` on macOS, `FILE_FLAG_NO_BUFFERING` on Windows), learning its alignment (Linux
+//! `statx(STATX_DIOALIGN)`; default 4096), rounding each requested `(offset, len)` out to that alignment, reading into
 //! an aligned buffer and telling the caller where the requested bytes start. If the
 //! filesystem refuses O_DIRECT (EINVAL at open or at a read), reads continue buffered and the
 //! reason is kept for the start-up report. Also owns [`ReadPool`], a fixed set of threads that
@@ -13,13 +14,13 @@
 //! their files on disk) and Q9 (a pread thread pool is the portable path).
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::StreamError;
 use super::aligned::{AlignedBuf, IO_ALIGN, align_down, align_up};
+use crate::platform::{self, UNCACHED};
 
 /// Alignment requirements of direct I/O on one file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,33 +43,23 @@ impl Default for DioAlign {
     }
 }
 
-/// Ask the kernel for the file's direct-I/O alignment (Linux >= 6.1). Falls back to 4096 when
-/// the filesystem does not report it (e.g. tmpfs) or the call is unavailable.
+/// Ask the platform for the file's direct-I/O alignment (Linux >= 6.1 `statx`). Falls back
+/// to 4096 when the filesystem does not report it (e.g. tmpfs, or "not supported": the probe
+/// read decides), and on macOS and Windows.
 pub fn dio_align(path: &Path) -> DioAlign {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return DioAlign::default();
-    };
-    // SAFETY: zeroed statx is a valid (if meaningless) value; the kernel fills it.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid out pointer.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut st) };
-    if rc != 0 || st.stx_mask & libc::STATX_DIOALIGN == 0 {
-        return DioAlign::default();
-    }
-    let mem = st.stx_dio_mem_align as usize;
-    let offset = st.stx_dio_offset_align as usize;
-    if mem == 0 || offset == 0 || !mem.is_power_of_two() || !offset.is_power_of_two() {
-        // 0 means "direct I/O not supported" for this file; keep the default and let the
-        // probe read decide.
-        return DioAlign::default();
-    }
-    DioAlign {
-        mem,
-        offset,
-        from_statx: true,
+    match platform::dio_align(path) {
+        Some((mem, offset)) => DioAlign {
+            mem,
+            offset,
+            from_statx: true,
+        },
+        None => DioAlign::default(),
     }
 }
+
+/// How a [`DirectFile`] reads its uncached handle: [`platform::read_at_least`], or in tests a
+/// reader that refuses.
+type UncachedRead = fn(&File, &mut [u8], u64, usize) -> std::io::Result<()>;
 
 /// Where the requested bytes sit inside a rounded-out read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,8 +76,9 @@ pub struct Span {
 #[derive(Debug)]
 pub struct DirectFile {
     path: PathBuf,
-    /// The O_DIRECT handle, if the open succeeded.
+    /// The uncached handle, if the open succeeded.
     direct: Option<File>,
+    read_uncached: UncachedRead,
     /// A buffered handle, always open (fallback and unaligned small reads).
     buffered: File,
     align: DioAlign,
@@ -100,6 +92,21 @@ impl DirectFile {
     /// A refusal (EINVAL at open or at the probe) is not an error: reads go buffered and
     /// [`fallback_reason`](Self::fallback_reason) says why.
     pub fn open(path: &Path, want_direct: bool) -> Result<Self, StreamError> {
+        Self::open_with(
+            path,
+            want_direct,
+            platform::open_uncached,
+            platform::read_at_least,
+        )
+    }
+
+    /// [`DirectFile::open`] with the uncached open and read given (tests: a refusal).
+    fn open_with(
+        path: &Path,
+        want_direct: bool,
+        open_uncached: fn(&Path) -> std::io::Result<File>,
+        read_uncached: UncachedRead,
+    ) -> Result<Self, StreamError> {
         let buffered = File::open(path).map_err(|e| StreamError::io("open", path, e))?;
         let size = buffered
             .metadata()
@@ -109,15 +116,11 @@ impl DirectFile {
         let mut fallback = None;
         let mut direct = None;
         if want_direct {
-            match std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
-            {
+            match open_uncached(path) {
                 Ok(f) => direct = Some(f),
                 Err(e) => {
                     fallback = Some(format!(
-                        "O_DIRECT open of {} refused ({e}); reads are buffered through the page cache",
+                        "{UNCACHED} open of {} refused ({e}); reads are buffered through the page cache",
                         path.display()
                     ))
                 }
@@ -129,6 +132,7 @@ impl DirectFile {
             path: path.to_path_buf(),
             direct_ok: AtomicBool::new(direct.is_some()),
             direct,
+            read_uncached,
             buffered,
             align,
             size,
@@ -147,11 +151,12 @@ impl DirectFile {
             return;
         };
         let n = buf.capacity();
+        let need = n.min(usize::try_from(self.size).unwrap_or(usize::MAX));
         if let Some(f) = &self.direct
-            && let Err(e) = f.read_at(&mut buf.full_mut()[..n], 0)
+            && let Err(e) = (self.read_uncached)(f, &mut buf.full_mut()[..n], 0, need)
         {
             self.disable_direct(format!(
-                "O_DIRECT read of {} refused ({e}); reads are buffered through the page cache",
+                "{UNCACHED} read of {} refused ({e}); reads are buffered through the page cache",
                 self.path.display()
             ));
         }
@@ -179,7 +184,7 @@ impl DirectFile {
         self.direct_ok.load(Ordering::SeqCst)
     }
 
-    /// Why reads are buffered (None while O_DIRECT works).
+    /// Why reads are buffered (None while uncached reads work).
     pub fn fallback_reason(&self) -> Option<String> {
         self.fallback
             .lock()
@@ -242,7 +247,7 @@ impl DirectFile {
         let need = span.lead + len;
         if self.is_direct() && !(buf.as_ptr() as usize).is_multiple_of(self.align.mem.max(1)) {
             return Err(StreamError::Invalid(format!(
-                "O_DIRECT read of {} into a buffer at {:p} not aligned to {} bytes",
+                "{UNCACHED} read of {} into a buffer at {:p} not aligned to {} bytes",
                 self.path.display(),
                 buf.as_ptr(),
                 self.align.mem
@@ -251,11 +256,11 @@ impl DirectFile {
         if self.is_direct()
             && let Some(f) = &self.direct
         {
-            match read_loop(f, &mut buf[..span.len], span.start, need) {
+            match (self.read_uncached)(f, &mut buf[..span.len], span.start, need) {
                 Ok(()) => return Ok(span.lead),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Err(e) if refused(&e) => {
                     self.disable_direct(format!(
-                        "O_DIRECT read of {} at offset {} refused ({e}); reads are buffered through the page cache",
+                        "{UNCACHED} read of {} at offset {} refused ({e}); reads are buffered through the page cache",
                         self.path.display(),
                         span.start
                     ));
@@ -264,8 +269,7 @@ impl DirectFile {
             }
         }
         // Buffered: read exactly the requested bytes at their place inside the span.
-        self.buffered
-            .read_exact_at(&mut buf[span.lead..need], offset)
+        platform::read_exact_at(&self.buffered, &mut buf[span.lead..need], offset)
             .map_err(|e| StreamError::io("read", &self.path, e))?;
         Ok(span.lead)
     }
@@ -275,7 +279,7 @@ impl DirectFile {
         &self.buffered
     }
 
-    /// The O_DIRECT handle while direct reads work (for io_uring submission).
+    /// The uncached handle while uncached reads work (for io_uring submission).
     pub fn direct_fd(&self) -> Option<&File> {
         if self.is_direct() {
             self.direct.as_ref()
@@ -287,27 +291,16 @@ impl DirectFile {
     /// Read exactly `dst.len()` bytes at `offset` into any (unaligned) destination, through
     /// the buffered handle. For small reads (headers, one embedding row).
     pub fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), StreamError> {
-        self.buffered
-            .read_exact_at(dst, offset)
+        platform::read_exact_at(&self.buffered, dst, offset)
             .map_err(|e| StreamError::io("read", &self.path, e))
     }
 }
 
-/// pread until at least `need` bytes from `start` are in `buf` (a short read at end of file is
-/// fine as long as the requested bytes arrived).
-fn read_loop(f: &File, buf: &mut [u8], start: u64, need: usize) -> std::io::Result<()> {
-    let mut got = 0usize;
-    while got < need {
-        let n = f.read_at(&mut buf[got..], start + got as u64)?;
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("file ended after {} of {need} bytes", got),
-            ));
-        }
-        got += n;
-    }
-    Ok(())
+/// Whether a failed uncached read was a refusal of the mode (buffered reads then continue):
+/// `EINVAL` on Linux and macOS, `ERROR_INVALID_PARAMETER` (87) on Windows.
+fn refused(e: &std::io::Error) -> bool {
+    let invalid = if cfg!(windows) { 87 } else { 22 };
+    e.raw_os_error() == Some(invalid)
 }
 
 /// One positional read for [`ReadPool::read_all`].
@@ -327,7 +320,7 @@ pub struct ReadReq<'a> {
 pub struct ReadPool {
     pool: super::blocking::IoThreads,
     depth: usize,
-    #[cfg(feature = "io-uring")]
+    #[cfg(all(feature = "io-uring", target_os = "linux"))]
     ring: Option<std::sync::Mutex<super::uring::Ring>>,
     note: Option<String>,
 }
@@ -341,7 +334,7 @@ impl ReadPool {
         Ok(Self {
             pool,
             depth,
-            #[cfg(feature = "io-uring")]
+            #[cfg(all(feature = "io-uring", target_os = "linux"))]
             ring: None,
             note: None,
         })
@@ -353,7 +346,7 @@ impl ReadPool {
     pub fn with_io_uring(depth: usize) -> Result<Self, StreamError> {
         #[allow(unused_mut)]
         let mut p = Self::new(depth)?;
-        #[cfg(feature = "io-uring")]
+        #[cfg(all(feature = "io-uring", target_os = "linux"))]
         match super::uring::Ring::new(depth.max(1) as u32) {
             Ok(r) => p.ring = Some(std::sync::Mutex::new(r)),
             Err(e) => {
@@ -363,7 +356,7 @@ impl ReadPool {
                 ))
             }
         }
-        #[cfg(not(feature = "io-uring"))]
+        #[cfg(not(all(feature = "io-uring", target_os = "linux")))]
         {
             p.note = Some(format!(
                 "io_uring requested but this build lacks the `io-uring` feature; using {} pread threads",
@@ -384,11 +377,11 @@ impl ReadPool {
 
     /// Whether batches go through io_uring.
     pub fn uses_io_uring(&self) -> bool {
-        #[cfg(feature = "io-uring")]
+        #[cfg(all(feature = "io-uring", target_os = "linux"))]
         {
             self.ring.is_some()
         }
-        #[cfg(not(feature = "io-uring"))]
+        #[cfg(not(all(feature = "io-uring", target_os = "linux")))]
         {
             false
         }
@@ -491,7 +484,7 @@ impl ReadPool {
         reqs: &mut [ReadReq<'_>],
         first: bool,
     ) -> Vec<Result<usize, StreamError>> {
-        #[cfg(feature = "io-uring")]
+        #[cfg(all(feature = "io-uring", target_os = "linux"))]
         if let Some(ring) = &self.ring
             && reqs.len() > 1
         {
@@ -529,5 +522,142 @@ impl ReadPool {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scratch directory removed on drop.
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A file under target/ (not tmpfs) with known bytes; the directory goes with the guard.
+    fn sample(name: &str, len: usize) -> (PathBuf, Vec<u8>, Scratch) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/platform-tests")
+            .join(format!("direct-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the scratch dir");
+        let data: Vec<u8> = (0..len as u32).map(|i| (i * 31 % 255) as u8).collect();
+        let path = dir.join("f.bin");
+        std::fs::write(&path, &data).expect("write");
+        (path, data, Scratch(dir))
+    }
+
+    fn einval() -> std::io::Error {
+        std::io::Error::from_raw_os_error(if cfg!(windows) { 87 } else { 22 })
+    }
+
+    /// The platform's uncached open, or a plain one where this filesystem refuses it (the
+    /// read function under test decides what is refused).
+    fn open_any(p: &Path) -> std::io::Result<File> {
+        platform::open_uncached(p).or_else(|_| File::open(p))
+    }
+
+    fn refuse_open(_: &Path) -> std::io::Result<File> {
+        Err(einval())
+    }
+
+    /// Accepts the probe at offset 0, refuses every later read as a filesystem refusing
+    /// uncached reads would.
+    fn refuse_after_probe(f: &File, b: &mut [u8], off: u64, need: usize) -> std::io::Result<()> {
+        if off == 0 {
+            platform::read_at_least(f, b, off, need)
+        } else {
+            Err(einval())
+        }
+    }
+
+    fn fail_hard(_: &File, _: &mut [u8], _: u64, _: usize) -> std::io::Result<()> {
+        Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+    }
+
+    fn check_reads(f: &DirectFile, data: &[u8]) {
+        for (off, len) in [(0u64, 10usize), (4095, 2), (5000, 60_000), (123_456, 7)] {
+            let mut buf = AlignedBuf::new(f.span(off, len).len).expect("buffer");
+            let lead = f.read_into(off, len, buf.full_mut()).expect("read");
+            assert_eq!(
+                &buf.full()[lead..lead + len],
+                &data[off as usize..off as usize + len],
+                "{off}+{len}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_refused_uncached_open_falls_back_to_buffered_reads_and_says_why() {
+        let (path, data, _scratch) = sample("open", 200_000);
+        let f =
+            DirectFile::open_with(&path, true, refuse_open, platform::read_at_least).expect("open");
+        assert!(!f.is_direct());
+        let why = f.fallback_reason().expect("a reason");
+        assert!(why.contains(&format!("{UNCACHED} open of")), "{why}");
+        assert!(why.contains("buffered through the page cache"), "{why}");
+        check_reads(&f, &data);
+    }
+
+    #[test]
+    fn a_refused_uncached_read_falls_back_mid_run_with_the_same_bytes() {
+        let (path, data, _scratch) = sample("read", 200_000);
+        let f = DirectFile::open_with(&path, true, open_any, refuse_after_probe).expect("open");
+        assert!(f.is_direct(), "the probe at offset 0 was accepted");
+        assert_eq!(f.fallback_reason(), None);
+        check_reads(&f, &data);
+        assert!(
+            !f.is_direct(),
+            "the refusal at a later offset switched to buffered"
+        );
+        let why = f.fallback_reason().expect("a reason");
+        assert!(why.contains(&format!("{UNCACHED} read of")), "{why}");
+        let at = f.span(4095, 2).start;
+        assert!(
+            at > 0 && why.contains(&format!("at offset {at} refused")),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_refused_probe_falls_back_and_other_read_errors_are_errors() {
+        let (path, data, _scratch) = sample("probe", 50_000);
+        let f = DirectFile::open_with(&path, true, open_any, fail_hard).expect("open");
+        assert!(!f.is_direct(), "a failed probe disables uncached reads");
+        check_reads_small(&f, &data);
+        // After a good probe, an error that is not a refusal is returned, not hidden.
+        let f = DirectFile::open_with(&path, true, open_any, |f, b, off, need| {
+            if off == 0 {
+                platform::read_at_least(f, b, off, need)
+            } else {
+                fail_hard(f, b, off, need)
+            }
+        })
+        .expect("open");
+        let mut buf = AlignedBuf::new(f.span(8192, 10).len).expect("buffer");
+        assert!(f.read_into(8192, 10, buf.full_mut()).is_err());
+        assert!(f.is_direct(), "a hard error does not switch modes");
+    }
+
+    fn check_reads_small(f: &DirectFile, data: &[u8]) {
+        let mut buf = AlignedBuf::new(f.span(4097, 30_000).len).expect("buffer");
+        let lead = f.read_into(4097, 30_000, buf.full_mut()).expect("read");
+        assert_eq!(&buf.full()[lead..lead + 30_000], &data[4097..34_097]);
+    }
+
+    #[test]
+    fn the_real_uncached_path_reads_the_same_bytes_or_says_why_not() {
+        let (path, data, _scratch) = sample("real", 300_000);
+        let f = DirectFile::open(&path, true).expect("open");
+        if let Some(why) = f.fallback_reason() {
+            assert!(why.contains(UNCACHED), "{why}");
+        }
+        check_reads(&f, &data);
+        let buffered = DirectFile::open(&path, false).expect("open");
+        assert!(!buffered.is_direct());
+        check_reads(&buffered, &data);
     }
 }

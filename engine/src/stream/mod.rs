@@ -25,7 +25,7 @@ pub mod policy;
 pub mod presets;
 pub mod trace;
 pub mod trunk;
-#[cfg(feature = "io-uring")]
+#[cfg(all(feature = "io-uring", target_os = "linux"))]
 pub mod uring;
 
 use std::path::Path;

@@ -325,8 +325,8 @@ pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Resu
     Ok(need)
 }
 
-/// The memory facts moved to [`crate::machine`]; re-exported here for existing paths.
-pub use crate::machine::{
+/// The memory facts moved to [`crate::platform::memory`]; re-exported here for existing paths.
+pub use crate::platform::memory::{
     CGROUP_V1_UNLIMITED, CgroupMemory, CgroupVersion, MemoryLimit, cgroup_memory_at, memory_limit,
     memory_limit_at, memory_limit_bytes, parse_meminfo_available, parse_reserved_pool_free,
     reserved_pool_free_bytes,

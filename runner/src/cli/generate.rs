@@ -82,7 +82,8 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         .model_dir
         .as_deref()
         .ok_or_else(|| Failure::usage("a model directory is required (see --help)"))?;
-    let prompt = prompt_ids(a)?;
+    let tokenizer = run_tokenizer(a)?;
+    let prompt = prompt_ids(a, tokenizer.as_ref())?;
     if prompt.is_empty() {
         return Err(Failure::usage("the prompt is empty"));
     }
@@ -131,7 +132,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     if a.dump_prompt_logits.is_some() {
         // the rows are held until the run ends: refused up front if they would crowd it out
         let bytes = prompt.len() as u64 * spec.vocab_size as u64 * 4;
-        if let Some(limit) = crate::machine::memory_limit_bytes()
+        if let Some(limit) = crate::platform::memory::memory_limit_bytes()
             && bytes > limit / 4
         {
             return Err(Failure::usage(format!(
@@ -201,7 +202,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::machine::memory_limit();
+    let mem_limit = crate::platform::memory::memory_limit();
     let mut session =
         crate::session::build_with(&spec, &ckpt, &plan, &settings, resident_mode(&a.mem)?)
             .map_err(stream_failure)?;
@@ -210,6 +211,10 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     let state_line =
         check_states_and_chunk(a, &mut plan, &session, (positions, 1), mem_limit.bytes())?;
     eprintln!("  {state_line}");
@@ -227,6 +232,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     };
     let providers = &mut session.providers;
     let time_to_first_token = std::cell::Cell::new(None::<f64>);
+    let decoder = std::cell::RefCell::new(k3_text::tokenizer::Decoder::default());
     // A long prompt on a streamed trunk can take minutes per pass: progress on a terminal,
     // cleared before the first token is printed.
     let res = with_prompt_progress(&mut exec, Some(req.prompt_ids.len()), |exec, bar| {
@@ -237,7 +243,14 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
                 }
                 time_to_first_token.set(Some(run_start.elapsed().as_secs_f64()));
             }
-            println!("token {i:>4}: {id:>7}  ({t:.3} s)");
+            match &tokenizer {
+                // The text as it completes (a piece may wait for the rest of a UTF-8 character).
+                Some(tok) => {
+                    let piece = decoder.borrow_mut().push(tok, id).unwrap_or_default();
+                    println!("token {i:>4}: {id:>7}  ({t:.3} s)  {piece:?}");
+                }
+                None => println!("token {i:>4}: {id:>7}  ({t:.3} s)"),
+            }
             !interrupted.load(Ordering::Relaxed)
         };
         let opts = run::GenOptions {
@@ -302,13 +315,34 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
     // not in the share. A background load is counted by what the run waited for it.
     let run_trunk_seconds =
         (trunk.read_seconds - trunk.pinned_load_seconds).max(0.0) + trunk.pinned_wait_seconds;
-    let total_io = run_trunk_seconds + experts.read_seconds;
+    // The share is of time the executor was BLOCKED on reads: with a reader thread the trunk's
+    // reads overlap compute (their seconds can exceed the wall clock), so its waits count.
+    let trunk_blocked = if trunk.reader_thread {
+        if trunk.pinned_background {
+            trunk.wait_seconds
+        } else {
+            (trunk.wait_seconds - trunk.pinned_load_seconds).max(0.0)
+        }
+    } else {
+        run_trunk_seconds
+    };
+    let total_io = trunk_blocked + experts.read_seconds;
     let io_share = if res.total_seconds > 0.0 {
         total_io / res.total_seconds
     } else {
         0.0
     };
     println!("generated ids: {:?}", res.generated_ids);
+    let generated_text = match &tokenizer {
+        Some(tok) => Some(
+            tok.decode_lossy(&res.generated_ids)
+                .map_err(|e| Failure::usage(e.to_string()))?,
+        ),
+        None => None,
+    };
+    if let Some(t) = &generated_text {
+        println!("generated text: {t:?}");
+    }
     println!(
         "first token {:.3} s, decode {:.4} s/token ({} mode), first-step logits hash {}",
         res.first_token_seconds,
@@ -385,18 +419,18 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             );
         }
     }
+    let other_hits = experts
+        .hits
+        .saturating_sub(experts.resident_hits + experts.prefetch_hits);
     println!(
-        "expert cache: requests {} hits {} misses {} evictions {} | TRUE resident hit rate {:.2}% (raw hit rate {:.2}%)",
+        "expert cache: {} requests = {} already in RAM before the token asked (TRUE resident hit rate {:.2}%) + {} read ahead by prefetch + {} loaded earlier in the same token + {} read from disk; {} evictions",
         experts.requests,
-        experts.hits,
+        experts.resident_hits,
+        100.0 * experts.resident_hit_rate(),
+        experts.prefetch_hits,
+        other_hits,
         experts.misses,
         experts.evictions,
-        100.0 * experts.resident_hit_rate(),
-        if experts.requests > 0 {
-            100.0 * experts.hits as f64 / experts.requests as f64
-        } else {
-            0.0
-        }
     );
     if experts.prefetched > 0 {
         println!(
@@ -410,9 +444,9 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         );
     }
     println!(
-        "I/O share of wall clock: {:.1}% (trunk {:.3} s + experts {:.3} s of {:.3} s; {}){}",
+        "I/O share of wall clock: {:.1}% = time the executor waited for reads (trunk {:.3} s + experts {:.3} s) of {:.3} s; {}{}",
         100.0 * io_share,
-        run_trunk_seconds,
+        trunk_blocked,
         experts.read_seconds,
         res.total_seconds,
         if trunk.pinned_background {
@@ -421,14 +455,10 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
             "the pinned-prefix load at start-up is not in it"
         },
         if trunk.reader_thread {
-            // Reader-thread reads overlap compute: their seconds can exceed the wall clock.
+            // Reader-thread reads overlap compute: their own seconds can exceed the wall clock.
             format!(
-                "; trunk reads ran beside compute, the executor waited {:.3} s for them",
-                if trunk.pinned_background {
-                    trunk.wait_seconds
-                } else {
-                    (trunk.wait_seconds - trunk.pinned_load_seconds).max(0.0)
-                }
+                "; the trunk's reads ran beside compute for {:.3} s",
+                run_trunk_seconds
             )
         } else {
             String::new()
@@ -546,6 +576,9 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         },
         "io_share": io_share,
     });
+    if let Some(t) = &generated_text {
+        json["text"] = t.clone().into();
+    }
     if a.dump_prompt_logits.is_some() {
         // the argmax after every prompt token (compare_k3.py --tf-argmax)
         json["prompt_argmax"] = res
@@ -563,6 +596,10 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         code: exit::OUT_WRITE,
         msg: format!("cannot write --out {}: {e}", a.out.display()),
     })?;
+    eprintln!(
+        "wrote {} (ids, timings, memory and cache figures)",
+        a.out.display()
+    );
     if experts.load_failures > 0 {
         if let Some(why) = res
             .stopped_by

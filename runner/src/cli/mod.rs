@@ -112,10 +112,8 @@ fn edit_distance(a: &str, b: &str) -> usize {
 /// standard library sends with `MSG_NOSIGNAL`: a `--serve` client that hangs up is an error
 /// of that request only).
 fn quiet_broken_pipe() {
-    // SAFETY: restores a signal's default disposition at start-up, before any thread exists.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // At start-up, before any thread exists. Windows has no SIGPIPE (nothing to restore).
+    crate::platform::default_sigpipe();
 }
 
 /// The subcommand `word` was probably meant to be: within edit distance 2 of a subcommand

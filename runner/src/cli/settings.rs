@@ -203,7 +203,10 @@ pub fn default_threads() -> usize {
 }
 
 /// The prompt ids from exactly one of --ids, --prompt (with --tok), --prompt-file (with --tok).
-pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
+pub fn prompt_ids(
+    a: &RunArgs,
+    tok: Option<&k3_text::tokenizer::Tokenizer>,
+) -> Result<Vec<u32>, Failure> {
     let given = [a.ids.is_some(), a.prompt.is_some(), a.prompt_file.is_some()];
     if given.iter().filter(|&&g| g).count() != 1 {
         return Err(Failure::usage(
@@ -213,12 +216,7 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
     if let Some(ids) = &a.ids {
         return Ok(ids.clone());
     }
-    let tok_dir = a
-        .tok
-        .as_deref()
-        .ok_or_else(|| Failure::usage("--prompt and --prompt-file need --tok DIR"))?;
-    let tok =
-        k3_text::tokenizer::Tokenizer::load(tok_dir).map_err(|e| Failure::usage(e.to_string()))?;
+    let tok = tok.ok_or_else(|| Failure::usage("--prompt and --prompt-file need a tokenizer"))?;
     let ids = match (&a.prompt, &a.prompt_file) {
         (Some(p), _) => tok.encode_text(p),
         (None, Some(f)) => {
@@ -228,6 +226,30 @@ pub fn prompt_ids(a: &RunArgs) -> Result<Vec<u32>, Failure> {
         (None, None) => unreachable!("checked above: exactly one prompt source"),
     };
     ids.map_err(|e| Failure::usage(e.to_string()))
+}
+
+/// The tokenizer of a `--ids` / `--prompt` run: `--tok DIR`, else (for a text prompt) the
+/// model directory when it holds the tokenizer, as `--chat` does. `None` for an ids run
+/// without `--tok` (the output is ids only).
+pub fn run_tokenizer(a: &RunArgs) -> Result<Option<k3_text::tokenizer::Tokenizer>, Failure> {
+    use k3_text::tokenizer::{MODEL_FILE, Tokenizer};
+    let load = |dir: &Path| Tokenizer::load(dir).map_err(|e| Failure::usage(e.to_string()));
+    if let Some(t) = &a.tok {
+        return load(t).map(Some);
+    }
+    if a.prompt.is_none() && a.prompt_file.is_none() {
+        return Ok(None);
+    }
+    match &a.model_dir {
+        Some(m) if m.join(MODEL_FILE).is_file() => load(m).map(Some),
+        Some(m) => Err(Failure::usage(format!(
+            "--prompt and --prompt-file need a tokenizer: {} has no {MODEL_FILE}; pass --tok DIR",
+            m.display()
+        ))),
+        None => Err(Failure::usage(
+            "--prompt and --prompt-file need --tok DIR (or a model directory holding the tokenizer)",
+        )),
+    }
 }
 
 /// The memory settings of a run. The preset's budgets are already merged into `a.mem` by the
@@ -247,23 +269,25 @@ pub fn memory_settings(
         None => None,
     };
     let (trunk_gb, cache_gb) = (m.trunk_gb, m.cache_gb);
+    // Decimal GB as bytes, printed at the scale that keeps a small preset readable.
+    let gb = |v: f64| crate::stream::fmt_bytes((v * 1e9).round() as u64);
     if let Some(p) = &preset {
         let streamed = m.trunk.is_some();
         notes.push(format!(
-            "preset {}: trunk {:.2} GB, expert cache {:.2} GB{} (effective: trunk {}, cache {}{})",
+            "preset {}: trunk {}, expert cache {}{} (effective: trunk {}, cache {}{})",
             p.name,
-            p.trunk_gb,
-            p.cache_gb,
+            gb(p.trunk_gb),
+            gb(p.cache_gb),
             if p.ultra_low_memory {
                 ", ultra-low-memory"
             } else {
                 ""
             },
             match trunk_gb {
-                Some(v) if streamed => format!("{v:.3} GB"),
+                Some(v) if streamed => gb(v),
                 _ => "resident".into(),
             },
-            cache_gb.map_or("-".into(), |v| format!("{v:.3} GB")),
+            cache_gb.map_or("-".into(), gb),
             match (p.ultra_low_memory, streamed || m.ultra_low_memory) {
                 (true, true) => ", ultra-low-memory",
                 (true, false) => ", ultra-low-memory off",
@@ -275,10 +299,10 @@ pub fn memory_settings(
             // silently.
             notes.push(format!(
                 "warning: preset {} assumes a packed trunk (--trunk DIR from `k3-run pack-trunk`); \
-                 without it the trunk is resident, so the preset's trunk budget ({:.2} GB){} \
-                 not applied; only the expert cache ({:.3} GB) is",
+                 without it the trunk is resident, so the preset's trunk budget ({}){} \
+                 not applied; only the expert cache ({}) is",
                 p.name,
-                p.trunk_gb,
+                gb(p.trunk_gb),
                 if p.ultra_low_memory {
                     " and its ultra-low-memory setting (streamed embedding rows and lm_head \
                      chunks, which needs --trunk: --ultra-low-memory without --trunk is \
@@ -286,7 +310,7 @@ pub fn memory_settings(
                 } else {
                     " is"
                 },
-                cache_gb.unwrap_or(p.cache_gb),
+                gb(cache_gb.unwrap_or(p.cache_gb)),
             ));
         }
     }
@@ -594,7 +618,7 @@ pub(crate) fn load_model<'c>(
         eprintln!("{n}");
     }
     // measured before the session allocates: afterwards its own pages count as used
-    let mem_limit = crate::machine::memory_limit();
+    let mem_limit = crate::platform::memory::memory_limit();
     let session = crate::session::build_with(spec, ckpt, &plan, settings, resident_mode(&a.mem)?)
         .map_err(stream_failure)?;
     eprintln!("memory plan:");
@@ -602,6 +626,10 @@ pub(crate) fn load_model<'c>(
         eprintln!("  {l}");
     }
     eprintln!("  {}", mem_limit.report_line());
+    // features this platform lacks (huge pages, memory caps) are said, not silently skipped
+    if let Some(l) = crate::platform::absent_line() {
+        eprintln!("  {l}");
+    }
     // every sequence holds its own decode state
     let state_line = check_states_and_chunk(
         a,

@@ -5,11 +5,8 @@
 
 #![allow(dead_code)]
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus, Stdio};
 
 /// The binary under test.
 pub fn bin() -> &'static str {
@@ -131,236 +128,252 @@ pub fn number_after(s: &str, prefix: &str) -> usize {
         .unwrap_or_else(|_| panic!("no number after {prefix:?} in:\n{s}"))
 }
 
-/// A child process on a pseudo-terminal.
-pub struct Pty {
-    master: OwnedFd,
-    pub child: Child,
-    /// Everything read so far, `\r` removed.
-    out: String,
-    /// Bytes not yet valid UTF-8 (a character split across reads).
-    pending: Vec<u8>,
-    /// Start of the unconsumed part of `out`.
-    pos: usize,
-    eof: bool,
-}
+/// The pseudo-terminal driver (Unix only: the REPL tests that type into a terminal are
+/// `#[cfg(unix)]`).
+#[cfg(unix)]
+mod pty {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    use std::process::Child;
+    use std::time::{Duration, Instant};
 
-fn cvt(r: libc::c_int, what: &str) -> libc::c_int {
-    assert!(r >= 0, "{what} failed: {}", std::io::Error::last_os_error());
-    r
-}
+    /// A child process on a pseudo-terminal.
+    pub struct Pty {
+        master: OwnedFd,
+        pub child: Child,
+        /// Everything read so far, `\r` removed.
+        out: String,
+        /// Bytes not yet valid UTF-8 (a character split across reads).
+        pending: Vec<u8>,
+        /// Start of the unconsumed part of `out`.
+        pos: usize,
+        eof: bool,
+    }
 
-impl Pty {
-    /// Spawn `cmd` with stdin/stdout/stderr on a new pty (200 columns) that becomes its
-    /// controlling terminal.
-    pub fn spawn(cmd: &mut Command) -> Pty {
-        let mut master: libc::c_int = -1;
-        let mut slave: libc::c_int = -1;
-        let ws = libc::winsize {
-            ws_row: 50,
-            ws_col: 200,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        // SAFETY: openpty writes two fds into the provided ints; name and termios may be null.
-        cvt(
+    fn cvt(r: libc::c_int, what: &str) -> libc::c_int {
+        assert!(r >= 0, "{what} failed: {}", std::io::Error::last_os_error());
+        r
+    }
+
+    impl Pty {
+        /// Spawn `cmd` with stdin/stdout/stderr on a new pty (200 columns) that becomes its
+        /// controlling terminal.
+        pub fn spawn(cmd: &mut Command) -> Pty {
+            let mut master: libc::c_int = -1;
+            let mut slave: libc::c_int = -1;
+            let mut ws = libc::winsize {
+                ws_row: 50,
+                ws_col: 200,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            // SAFETY: openpty writes two fds into the provided ints; name and termios may be null.
+            cvt(
+                unsafe {
+                    libc::openpty(
+                        &mut master,
+                        &mut slave,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        &raw mut ws,
+                    )
+                },
+                "openpty",
+            );
+            // SAFETY: both fds were just returned by openpty and are owned here.
+            let master = unsafe { OwnedFd::from_raw_fd(master) };
+            let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+            // SAFETY: fcntl on an fd we own.
             unsafe {
-                libc::openpty(
-                    &mut master,
-                    &mut slave,
-                    std::ptr::null_mut(),
-                    std::ptr::null(),
-                    &ws,
-                )
-            },
-            "openpty",
-        );
-        // SAFETY: both fds were just returned by openpty and are owned here.
-        let master = unsafe { OwnedFd::from_raw_fd(master) };
-        let slave = unsafe { OwnedFd::from_raw_fd(slave) };
-        // SAFETY: fcntl on an fd we own.
-        unsafe {
-            let fl = cvt(libc::fcntl(master.as_raw_fd(), libc::F_GETFL), "F_GETFL");
-            cvt(
-                libc::fcntl(master.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK),
-                "F_SETFL",
-            );
-            cvt(
-                libc::fcntl(master.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC),
-                "F_SETFD",
-            );
-        }
-        let dup = || Stdio::from(slave.try_clone().expect("dup slave"));
-        cmd.stdin(dup()).stdout(dup()).stderr(dup());
-        cmd.env("TERM", "xterm");
-        // SAFETY: setsid and ioctl are async-signal-safe; stdio is already the slave here.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().expect("spawn on pty");
-        // Close every parent copy of the slave, so EOF shows when the child exits.
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        drop(slave);
-        Pty {
-            master,
-            child,
-            out: String::new(),
-            pending: Vec::new(),
-            pos: 0,
-            eof: false,
-        }
-    }
-
-    /// Read what is available, waiting at most `wait`.
-    fn pump(&mut self, wait: Duration) {
-        if self.eof {
-            std::thread::sleep(wait.min(Duration::from_millis(10)));
-            return;
-        }
-        let mut pfd = libc::pollfd {
-            fd: self.master.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut pfd, 1, wait.as_millis().min(1000) as libc::c_int) };
-        if r <= 0 {
-            return;
-        }
-        let mut buf = [0u8; 8192];
-        loop {
-            // SAFETY: reading into a stack buffer of the given length.
-            let n =
-                unsafe { libc::read(self.master.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n > 0 {
-                self.pending.extend_from_slice(&buf[..n as usize]);
-                continue;
+                let fl = cvt(libc::fcntl(master.as_raw_fd(), libc::F_GETFL), "F_GETFL");
+                cvt(
+                    libc::fcntl(master.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK),
+                    "F_SETFL",
+                );
+                cvt(
+                    libc::fcntl(master.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC),
+                    "F_SETFD",
+                );
             }
-            if n == 0 {
-                self.eof = true;
-            } else {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::WouldBlock
-                    && e.kind() != std::io::ErrorKind::Interrupted
-                {
-                    // EIO: the child closed the terminal.
+            let dup = || Stdio::from(slave.try_clone().expect("dup slave"));
+            cmd.stdin(dup()).stdout(dup()).stderr(dup());
+            cmd.env("TERM", "xterm");
+            // SAFETY: setsid and ioctl are async-signal-safe; stdio is already the slave here.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::setsid() < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let child = cmd.spawn().expect("spawn on pty");
+            // Close every parent copy of the slave, so EOF shows when the child exits.
+            cmd.stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            drop(slave);
+            Pty {
+                master,
+                child,
+                out: String::new(),
+                pending: Vec::new(),
+                pos: 0,
+                eof: false,
+            }
+        }
+
+        /// Read what is available, waiting at most `wait`.
+        fn pump(&mut self, wait: Duration) {
+            if self.eof {
+                std::thread::sleep(wait.min(Duration::from_millis(10)));
+                return;
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.master.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let r = unsafe { libc::poll(&mut pfd, 1, wait.as_millis().min(1000) as libc::c_int) };
+            if r <= 0 {
+                return;
+            }
+            let mut buf = [0u8; 8192];
+            loop {
+                // SAFETY: reading into a stack buffer of the given length.
+                let n = unsafe {
+                    libc::read(self.master.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len())
+                };
+                if n > 0 {
+                    self.pending.extend_from_slice(&buf[..n as usize]);
+                    continue;
+                }
+                if n == 0 {
                     self.eof = true;
+                } else {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::WouldBlock
+                        && e.kind() != std::io::ErrorKind::Interrupted
+                    {
+                        // EIO: the child closed the terminal.
+                        self.eof = true;
+                    }
                 }
+                break;
             }
-            break;
+            let valid = match std::str::from_utf8(&self.pending) {
+                Ok(_) => self.pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => self.pending.len(),
+            };
+            let chunk: Vec<u8> = self.pending.drain(..valid).collect();
+            self.out
+                .push_str(&String::from_utf8_lossy(&chunk).replace('\r', ""));
         }
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => self.pending.len(),
-        };
-        let chunk: Vec<u8> = self.pending.drain(..valid).collect();
-        self.out
-            .push_str(&String::from_utf8_lossy(&chunk).replace('\r', ""));
-    }
 
-    /// Write all of `bytes` to the terminal, draining its output meanwhile.
-    pub fn send(&mut self, bytes: &[u8]) {
-        let mut rest = bytes;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !rest.is_empty() {
-            // SAFETY: writing from a live slice.
-            let n =
-                unsafe { libc::write(self.master.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
-            if n > 0 {
-                rest = &rest[n as usize..];
-                continue;
+        /// Write all of `bytes` to the terminal, draining its output meanwhile.
+        pub fn send(&mut self, bytes: &[u8]) {
+            let mut rest = bytes;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !rest.is_empty() {
+                // SAFETY: writing from a live slice.
+                let n = unsafe {
+                    libc::write(self.master.as_raw_fd(), rest.as_ptr().cast(), rest.len())
+                };
+                if n > 0 {
+                    rest = &rest[n as usize..];
+                    continue;
+                }
+                assert!(Instant::now() < deadline, "pty write stalled");
+                self.pump(Duration::from_millis(5));
             }
-            assert!(Instant::now() < deadline, "pty write stalled");
-            self.pump(Duration::from_millis(5));
         }
-    }
 
-    /// Wait until `needle` appears after the consumed part; consume through it and return the
-    /// text from the previous position to the end of the match.
-    pub fn expect(&mut self, needle: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self.out[self.pos..].find(needle) {
-                let end = self.pos + i + needle.len();
-                let got = self.out[self.pos..end].to_string();
-                self.pos = end;
-                return got;
+        /// Wait until `needle` appears after the consumed part; consume through it and return the
+        /// text from the previous position to the end of the match.
+        pub fn expect(&mut self, needle: &str, timeout: Duration) -> String {
+            let deadline = Instant::now() + timeout;
+            loop {
+                if let Some(i) = self.out[self.pos..].find(needle) {
+                    let end = self.pos + i + needle.len();
+                    let got = self.out[self.pos..end].to_string();
+                    self.pos = end;
+                    return got;
+                }
+                assert!(
+                    Instant::now() < deadline && !(self.eof && self.pending.is_empty()),
+                    "timed out waiting for {needle:?}; output since the last match:\n{}",
+                    &self.out[self.pos..]
+                );
+                self.pump(Duration::from_millis(50));
             }
-            assert!(
-                Instant::now() < deadline && !(self.eof && self.pending.is_empty()),
-                "timed out waiting for {needle:?}; output since the last match:\n{}",
-                &self.out[self.pos..]
-            );
-            self.pump(Duration::from_millis(50));
         }
-    }
 
-    /// Wait for a fresh line-editor prompt: rustyline turns bracketed paste on (`ESC[?2004h`)
-    /// when it enters raw mode, then draws `> `. Matching only `> ` can match a stale redraw,
-    /// or a prompt drawn after the terminal's own cooked-mode echo; input sent then can reach
-    /// the editor together with a Ctrl-C, which drops what it read ahead.
-    pub fn prompt(&mut self, timeout: Duration) {
-        self.expect("\x1b[?2004h", timeout);
-        self.expect("> ", timeout);
-    }
-
-    /// Ctrl-C at the prompt: wait until the editor gave the line up (bracketed paste off,
-    /// `ESC[?2004l`) and drew a fresh prompt.
-    pub fn ctrl_c_at_prompt(&mut self, timeout: Duration) {
-        self.send(b"\x03");
-        self.expect("\x1b[?2004l", timeout);
-        self.prompt(timeout);
-    }
-
-    /// Keep reading the terminal for `d` (so the child never blocks on a full pty buffer).
-    pub fn pump_for(&mut self, d: Duration) {
-        let deadline = Instant::now() + d;
-        while Instant::now() < deadline {
-            self.pump(Duration::from_millis(10));
+        /// Wait for a fresh line-editor prompt: rustyline turns bracketed paste on (`ESC[?2004h`)
+        /// when it enters raw mode, then draws `> `. Matching only `> ` can match a stale redraw,
+        /// or a prompt drawn after the terminal's own cooked-mode echo; input sent then can reach
+        /// the editor together with a Ctrl-C, which drops what it read ahead.
+        pub fn prompt(&mut self, timeout: Duration) {
+            self.expect("\x1b[?2004h", timeout);
+            self.expect("> ", timeout);
         }
-    }
 
-    /// Drain until the child closes the terminal, then reap it.
-    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(st) = self.child.try_wait().expect("try_wait") {
-                self.pump(Duration::from_millis(20));
-                return st;
+        /// Ctrl-C at the prompt: wait until the editor gave the line up (bracketed paste off,
+        /// `ESC[?2004l`) and drew a fresh prompt.
+        pub fn ctrl_c_at_prompt(&mut self, timeout: Duration) {
+            self.send(b"\x03");
+            self.expect("\x1b[?2004l", timeout);
+            self.prompt(timeout);
+        }
+
+        /// Keep reading the terminal for `d` (so the child never blocks on a full pty buffer).
+        pub fn pump_for(&mut self, d: Duration) {
+            let deadline = Instant::now() + d;
+            while Instant::now() < deadline {
+                self.pump(Duration::from_millis(10));
             }
-            assert!(
-                Instant::now() < deadline,
-                "child did not exit; output:\n{}",
-                &self.out[self.pos..]
-            );
-            self.pump(Duration::from_millis(50));
+        }
+
+        /// Drain until the child closes the terminal, then reap it.
+        pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+            let deadline = Instant::now() + timeout;
+            loop {
+                if let Some(st) = self.child.try_wait().expect("try_wait") {
+                    self.pump(Duration::from_millis(20));
+                    return st;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "child did not exit; output:\n{}",
+                    &self.out[self.pos..]
+                );
+                self.pump(Duration::from_millis(50));
+            }
+        }
+
+        /// Everything read so far (`\r` removed).
+        pub fn all_output(&self) -> &str {
+            &self.out
         }
     }
 
-    /// Everything read so far (`\r` removed).
-    pub fn all_output(&self) -> &str {
-        &self.out
+    impl Drop for Pty {
+        fn drop(&mut self) {
+            if let Ok(None) = self.child.try_wait() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
     }
 }
-
-impl Drop for Pty {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
+#[cfg(unix)]
+#[allow(unused_imports)] // not every test that includes this module drives a pty
+pub use pty::Pty;
 
 /// The synthetic chat model in a fresh temporary directory (kept alive by the first value):
 /// its path, spec and open checkpoint (in-process session tests).
@@ -368,22 +381,22 @@ pub fn synth_chat_model() -> (
     tempfile::TempDir,
     PathBuf,
     k3_models::spec::ModelSpec,
-    k3_run::checkpoint::Checkpoint,
+    k3_engine::checkpoint::Checkpoint,
 ) {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = synth_model(dir.path());
     let spec = k3_run::cli::load_spec(&model, None, None).expect("spec");
-    let ckpt = k3_run::checkpoint::Checkpoint::open(&model, &spec).expect("checkpoint");
+    let ckpt = k3_engine::checkpoint::Checkpoint::open(&model, &spec).expect("checkpoint");
     (dir, model, spec, ckpt)
 }
 
 /// Resident providers of an open checkpoint.
 pub fn resident<'c>(
     spec: &'c k3_models::spec::ModelSpec,
-    ckpt: &'c k3_run::checkpoint::Checkpoint,
-) -> k3_run::exec::Providers<'c> {
-    use k3_run::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
-    k3_run::exec::Providers {
+    ckpt: &'c k3_engine::checkpoint::Checkpoint,
+) -> k3_engine::exec::Providers<'c> {
+    use k3_engine::resident::{ResidentExperts, ResidentGlobal, ResidentTrunk};
+    k3_engine::exec::Providers {
         trunk: Box::new(ResidentTrunk::with_arena(spec, ckpt, None).expect("trunk")),
         experts: Box::new(ResidentExperts::new(spec, ckpt)),
         global: Box::new(ResidentGlobal::with_arena(spec, ckpt, None).expect("globals")),

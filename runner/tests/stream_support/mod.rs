@@ -4,10 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
+use k3_engine::checkpoint::{Checkpoint, OpenOptions};
+use k3_engine::synth::{self, SynthArgs, SynthSpec};
+use k3_engine::weights::TrunkSource;
 use k3_models::spec::ModelSpec;
-use k3_run::checkpoint::{Checkpoint, OpenOptions};
-use k3_run::synth::{self, SynthArgs, SynthSpec};
-use k3_run::weights::TrunkSource;
 
 pub const TINY: &str = include_str!("../../../configs/synth/tiny.toml");
 

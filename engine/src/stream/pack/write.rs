@@ -265,9 +265,9 @@ pub fn pack_trunk_with(
         let mut done = 0u64;
         while done < pl.size {
             let n = ((pl.size - done) as usize).min(chunk.len());
-            f.read_exact_at(&mut chunk[..n], pl.source_offset + done)
+            crate::platform::read_exact_at(f, &mut chunk[..n], pl.source_offset + done)
                 .map_err(|e| StreamError::io("read", src, e))?;
-            out.write_all_at(&chunk[..n], pl.offset + done)
+            crate::platform::write_all_at(&out, &chunk[..n], pl.offset + done)
                 .map_err(|e| StreamError::io("write", &bin_tmp, e))?;
             done += n as u64;
             bar.inc(n as u64);
@@ -354,7 +354,7 @@ fn write_compressed(
             let start = first as u64 * cb;
             let len = (pl.size - start).min(k as u64 * cb) as usize;
             raw.resize(len, 0);
-            f.read_exact_at(&mut raw, pl.source_offset + start)
+            crate::platform::read_exact_at(f, &mut raw, pl.source_offset + start)
                 .map_err(|e| StreamError::io("read", src, e))?;
             records.resize_with(k, || (Vec::new(), false));
             let per = k.div_ceil(threads);
@@ -388,7 +388,7 @@ fn write_compressed(
             }
             for (rec, z) in &records {
                 let at = align_up(end, IO_ALIGN as u64);
-                out.write_all_at(rec, pos + at)
+                crate::platform::write_all_at(out, rec, pos + at)
                     .map_err(|e| StreamError::io("write", out_path, e))?;
                 chunks.push(StoredChunk {
                     at,

@@ -4,13 +4,11 @@
 
 use super::*;
 
+use crate::platform::{self, MemAdvice};
+
 /// The system's page size (4096 when it cannot be read).
 pub(super) fn page_size() -> usize {
-    // SAFETY: sysconf has no memory effects.
-    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-        .ok()
-        .filter(|p| p.is_power_of_two())
-        .unwrap_or(4096)
+    platform::page_size()
 }
 
 /// `[addr, addr + len)` widened to start on a page boundary.
@@ -36,10 +34,6 @@ pub(super) fn map_range(
     .map_err(|e| StreamError::io("map", file.path(), e))
 }
 
-/// `MADV_POPULATE_READ` (Linux 5.14): read the range into the page cache and map it, or fail
-/// (EFAULT on a read error, EINVAL on an older kernel).
-pub(super) const MADV_POPULATE_READ: libc::c_int = 22;
-
 /// Bytes of the pages of `[addr, addr + len)` (a live file mapping) not in the page cache now:
 /// what reading it in asks of the disk.
 pub(super) fn uncached_bytes(addr: usize, len: usize) -> u64 {
@@ -48,7 +42,7 @@ pub(super) fn uncached_bytes(addr: usize, len: usize) -> u64 {
     let mut resident = vec![0u8; len.div_ceil(page)];
     // SAFETY: the range lies inside a live mapping owned by the caller; mincore writes one
     // byte per page of it into `resident`, which has that many.
-    if unsafe { libc::mincore(start as *mut libc::c_void, len, resident.as_mut_ptr()) } != 0 {
+    if unsafe { platform::resident_pages(start, len, &mut resident) }.is_err() {
         return len as u64;
     }
     (resident.iter().filter(|&&v| v & 1 == 0).count() * page).min(len) as u64
@@ -79,14 +73,11 @@ pub(super) fn populate_read(addr: usize, len: usize, huge: bool) -> std::io::Res
         if !huge {
             for off in (0..len).step_by(WILLNEED_STEP) {
                 let n = WILLNEED_STEP.min(len - off);
-                libc::madvise((start + off) as *mut libc::c_void, n, libc::MADV_WILLNEED);
+                let _ = platform::advise_memory(start + off, n, MemAdvice::WillNeed);
             }
         }
-        if libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_READ) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        platform::advise_memory(start, len, MemAdvice::PopulateRead)
     }
-    Ok(())
 }
 
 /// A failed [`populate_read`] of `file` (EFAULT: the read failed).
@@ -101,8 +92,9 @@ pub(super) fn populate_error(file: &DirectFile, e: std::io::Error) -> StreamErro
 /// Whether transparent huge pages can back a mapping advised `MADV_HUGEPAGE` (the system's
 /// setting is not `never`).
 pub(super) fn thp_advisable() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .is_ok_and(|s| !s.contains("[never]"))
+    cfg!(target_os = "linux")
+        && std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| !s.contains("[never]"))
 }
 
 /// Map pinned layer bytes of `file` for [`populate_read`], advised `MADV_HUGEPAGE` with
@@ -115,8 +107,12 @@ pub(super) fn map_pinned(
 ) -> Result<memmap2::Mmap, StreamError> {
     let map = map_range(file, offset, len)?;
     if huge {
-        // Advice only: a refusal leaves 4 KiB pages, the same bytes.
-        let _ = map.advise(memmap2::Advice::HugePage);
+        // Advice only: a refusal (or a platform without it) leaves base pages, the same
+        // bytes.
+        // SAFETY: the range is the live mapping just made; the advice never changes bytes.
+        let _ = unsafe {
+            platform::advise_memory(map.as_ptr() as usize, map.len(), MemAdvice::HugePage)
+        };
     }
     Ok(map)
 }
@@ -127,11 +123,9 @@ pub(super) fn keep_mapped(addr: usize, len: usize) -> Option<String> {
     let (start, len) = page_range(addr, len);
     // SAFETY: the range lies inside a live mapping owned by the caller; mlock does not change
     // the memory's contents.
-    if unsafe { libc::mlock(start as *const libc::c_void, len) } == 0 {
-        None
-    } else {
-        Some(std::io::Error::last_os_error().to_string())
-    }
+    unsafe { platform::lock_memory(start, len) }
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// Whether this kernel knows `MADV_POPULATE_READ`; the error when it does not. The advice is
@@ -145,11 +139,15 @@ pub(super) fn probe_populate_read(
     let map = map_range(file, offset, len.clamp(1, page_size())).map_err(|e| e.to_string())?;
     let (start, _) = page_range(map.as_ptr() as usize, 0);
     // SAFETY: an empty range at the start of a live mapping: nothing is read or changed.
-    if unsafe { libc::madvise(start as *mut libc::c_void, 0, MADV_POPULATE_READ) } != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(format!(
-            "MADV_POPULATE_READ refused ({e}; it needs Linux 5.14)"
-        ));
+    if let Err(e) = unsafe { platform::advise_memory(start, 0, MemAdvice::PopulateRead) } {
+        return Err(if cfg!(target_os = "linux") {
+            format!("MADV_POPULATE_READ refused ({e}; it needs Linux 5.14)")
+        } else {
+            format!(
+                "reading a mapping in ahead is absent on {} ({e})",
+                platform::OS
+            )
+        });
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
-//! Machine facts, read in one place: the memory this process may use (`MemAvailable` from
-//! /proc/meminfo and the memory cgroup headroom, cgroup v2 then v1), the reserved huge-page
-//! pool (`vm.nr_hugepages`) and the transparent huge page mode.
+//! Memory facts, read in one place: the memory this process may use (on Linux `MemAvailable`
+//! from /proc/meminfo and the memory cgroup headroom, cgroup v2 then v1; on macOS and Windows
+//! what the platform layer's `sys` module reads: `host_statistics64`, `GlobalMemoryStatusEx`
+//! and job-object limits), the reserved huge-page pool (`vm.nr_hugepages`) and the
+//! transparent huge page mode (Linux only).
 //!
 //! Owns: reading /proc/meminfo, /proc/self/cgroup, the cgroup memory files and
 //! /sys/kernel/mm/transparent_hugepage/enabled, and parsing their text (each parser takes the
@@ -25,9 +27,34 @@ pub struct MemInfo {
     pub huge_pages_free: u64,
 }
 
-/// /proc/meminfo of this machine ([`parse_meminfo`]); `None` when unreadable or incomplete.
+/// This machine's memory: /proc/meminfo on Linux ([`parse_meminfo`]), `hw.memsize` and
+/// `host_statistics64` on macOS, `GlobalMemoryStatusEx` on Windows; `None` when unreadable or
+/// incomplete.
 pub fn meminfo() -> Option<MemInfo> {
-    parse_meminfo(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    #[cfg(target_os = "linux")]
+    {
+        parse_meminfo(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        super::sys::meminfo()
+    }
+}
+
+/// What this platform calls the figures of [`MemInfo`] and [`MemoryLimit`]: (total,
+/// available, memory cap).
+pub fn terms() -> (&'static str, &'static str, &'static str) {
+    if cfg!(target_os = "linux") {
+        ("MemTotal", "MemAvailable", "cgroup limit")
+    } else if cfg!(target_os = "macos") {
+        (
+            "hw.memsize",
+            "free + inactive + speculative (vm_stat)",
+            "memory cap (absent on macOS)",
+        )
+    } else {
+        ("total physical", "available physical", "job object limit")
+    }
 }
 
 /// Parse /proc/meminfo text; `None` without `MemTotal` or `MemAvailable` (kernels < 3.14).
@@ -53,8 +80,12 @@ pub fn parse_meminfo(text: &str) -> Option<MemInfo> {
     })
 }
 
-/// The transparent huge page mode (`always`, `madvise`, `never`), or `unknown`.
+/// The transparent huge page mode (`always`, `madvise`, `never`), or `unknown`; `absent` off
+/// Linux.
 pub fn transparent_huge_pages() -> String {
+    if !cfg!(target_os = "linux") {
+        return "absent".into();
+    }
     std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .ok()
         .and_then(|t| parse_thp_mode(&t))
@@ -76,9 +107,16 @@ pub fn memory_limit_bytes() -> Option<u64> {
     memory_limit().bytes()
 }
 
-/// [`memory_limit_at`] the real root `/`.
+/// [`memory_limit_at`] the real root `/` on Linux; the platform's figures elsewhere.
 pub fn memory_limit() -> MemoryLimit {
-    memory_limit_at(Path::new("/"))
+    #[cfg(target_os = "linux")]
+    {
+        memory_limit_at(Path::new("/"))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        super::sys::memory_limit()
+    }
 }
 
 /// The memory limit seen under `root` (`/` in production; a fake tree in tests): reads
@@ -89,6 +127,7 @@ pub fn memory_limit_at(root: &Path) -> MemoryLimit {
             .ok()
             .and_then(|s| parse_meminfo_available(&s)),
         cgroup: cgroup_memory_at(root),
+        job: None,
     }
 }
 
@@ -96,6 +135,9 @@ pub fn memory_limit_at(root: &Path) -> MemoryLimit {
 /// /proc/meminfo; `None` when unreadable or the default huge page is not 2 MiB (the only size
 /// [`crate::stream::aligned::PageSource::ReservedFirst`] maps).
 pub fn reserved_pool_free_bytes() -> Option<u64> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
     parse_reserved_pool_free(&std::fs::read_to_string("/proc/meminfo").ok()?)
 }
 
@@ -124,22 +166,41 @@ pub fn parse_meminfo_available(text: &str) -> Option<u64> {
     })
 }
 
-/// What bounds this process's memory: `MemAvailable` and the tightest memory cgroup.
+/// What bounds this process's memory: the memory available (`MemAvailable` on Linux) and the
+/// tightest cap (the memory cgroup on Linux, the job object on Windows; macOS has none).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryLimit {
+    /// `MemAvailable` on Linux; the platform's available figure elsewhere ([`terms`]).
     pub mem_available_bytes: Option<u64>,
-    /// `None`: no cgroup limit found (unlimited, or the files are missing).
+    /// `None`: no cgroup limit found (unlimited, the files are missing, or not Linux).
     pub cgroup: Option<CgroupMemory>,
+    /// Windows: the job object's memory limit (`None` outside a job or without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobMemory>,
+}
+
+/// A Windows job object's memory limit (process or job) and this process's private bytes.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct JobMemory {
+    /// `process` (`JOB_OBJECT_LIMIT_PROCESS_MEMORY`) or `job` (`JOB_OBJECT_LIMIT_JOB_MEMORY`).
+    pub scope: &'static str,
+    pub limit_bytes: u64,
+    pub usage_bytes: u64,
 }
 
 impl MemoryLimit {
-    /// The smaller of `MemAvailable` and the cgroup headroom; `None` if neither is known.
+    /// The smallest of the memory available, the cgroup headroom and the job object's
+    /// headroom; `None` if none is known.
     pub fn bytes(&self) -> Option<u64> {
         let cg = self.cgroup.as_ref().map(CgroupMemory::headroom);
-        match (self.mem_available_bytes, cg) {
-            (Some(a), Some(c)) => Some(a.min(c)),
-            (a, c) => a.or(c),
-        }
+        let job = self
+            .job
+            .as_ref()
+            .map(|j| j.limit_bytes.saturating_sub(j.usage_bytes));
+        [self.mem_available_bytes, cg, job]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// One start-up line: the limit and where it came from.
@@ -158,11 +219,28 @@ impl MemoryLimit {
                 fmt_bytes(c.usage_bytes),
                 c.dir.display()
             ),
-            (Some(b), None) => format!(
+            (Some(b), None) if cfg!(target_os = "linux") => format!(
                 "memory limit: {} = MemAvailable (no memory cgroup limit: cgroup v2 memory.max \
                  and v1 memory.limit_in_bytes unlimited or unreadable)",
                 fmt_bytes(b)
             ),
+            (Some(b), None) => match &self.job {
+                Some(j) => format!(
+                    "memory limit: {} = the smaller of {} {avail} and the job object's {} \
+                     memory limit {} - private bytes {}",
+                    fmt_bytes(b),
+                    terms().1,
+                    j.scope,
+                    fmt_bytes(j.limit_bytes),
+                    fmt_bytes(j.usage_bytes)
+                ),
+                None => format!(
+                    "memory limit: {} = {} ({} has no memory cap set for this process)",
+                    fmt_bytes(b),
+                    terms().1,
+                    super::OS
+                ),
+            },
             (None, _) => "memory limit: unknown (no /proc/meminfo, no memory cgroup limit); the \
                           decode-state check is skipped"
                 .to_string(),

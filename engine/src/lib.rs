@@ -37,6 +37,8 @@ pub mod exec;
 #[allow(missing_docs)]
 pub mod model;
 #[allow(missing_docs)]
+pub mod pipeline;
+#[allow(missing_docs)]
 pub mod plan;
 #[allow(missing_docs)]
 pub mod platform;

@@ -6,8 +6,8 @@
 //! embeds the engine depends on `k3-engine` (its `api` module) directly.
 
 pub(crate) use k3_engine::{
-    bytes_bar, checkpoint, draft, exec, plan, platform, plugins, resident, run, session, speculate,
-    statefile, stream, synth, weights,
+    bytes_bar, checkpoint, draft, exec, pipeline, plan, platform, plugins, resident, run, session,
+    speculate, statefile, stream, synth, weights,
 };
 
 pub mod budget;

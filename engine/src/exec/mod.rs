@@ -27,6 +27,7 @@ mod mla_block;
 mod mlp_block;
 mod moe_block;
 mod rows;
+mod stage;
 mod tensors;
 
 use k3_kernels::{attn, attnres, kda, matvec, ops, router};
@@ -40,6 +41,7 @@ use mlp_block::*;
 use moe_block::*;
 pub use moe_block::{DEFAULT_LOOKAHEAD_DEPTH, LOOKAHEAD_DEPTH_ENV};
 use rows::{Rows, carve, lin_many};
+pub use stage::TokenCarry;
 use tensors::*;
 
 use crate::plan::Plan;

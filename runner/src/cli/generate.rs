@@ -10,6 +10,15 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         print!("{t}");
         return Ok(exit::OK);
     }
+    if a.pipe.pipeline {
+        if a.chat.chat || a.chat.serve.is_some() {
+            return Err(Failure::usage(
+                "--pipeline runs --batch-ids / --ids requests; --chat and --serve are not \
+                 pipelined yet (docs/MPI.md)",
+            ));
+        }
+        return pipeline_main(a);
+    }
     if a.chat.chat || a.chat.serve.is_some() {
         for (given, flag, what) in [
             (

@@ -132,6 +132,8 @@ pub struct RunArgs {
     pub mem: MemArgs,
     #[command(flatten)]
     pub chat: crate::chat::ChatArgs,
+    #[command(flatten)]
+    pub pipe: super::pipeline::PipelineArgs,
     /// Whether --trunk-gb / --trunk-ring (or a run config's, an environment variable's) was
     /// given rather than a preset's or the default (filled by the layering).
     #[arg(skip)]

@@ -28,6 +28,7 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
     let plan = Plan::new(&spec, positions);
     let contexts =
         crate::session::preset_contexts(&plan).map_err(|e| Failure::usage(e.to_string()))?;
+    let split_lines = plan_split_lines(a, &spec)?;
     let trunk_plan = match &a.mem.trunk {
         Some(dir) => Some(plan_packed_trunk(a, dir, &spec)?),
         None => None,
@@ -42,6 +43,15 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
                 v["trunk_compression"] =
                     serde_json::to_value(c).map_err(|e| Failure::usage(e.to_string()))?;
             }
+        }
+        if a.pipe.hosts.is_some() || a.pipe.host_gb.is_some() {
+            let hosts = a
+                .pipe
+                .host_gb
+                .as_ref()
+                .map_or(a.pipe.hosts.unwrap_or(1), Vec::len);
+            v["pipeline_split"] = serde_json::to_value(pipeline_split(a, &spec, hosts)?)
+                .map_err(|e| Failure::usage(e.to_string()))?;
         }
         let s = serde_json::to_string_pretty(&v).map_err(|e| Failure::usage(e.to_string()))?;
         println!("{s}");
@@ -64,6 +74,9 @@ pub(crate) fn plan_main(p: &PlanCli) -> Result<u8, Failure> {
                     crate::stream::fmt_bytes(m.packed_bytes)
                 );
             }
+        }
+        for l in &split_lines {
+            println!("{l}");
         }
     }
     Ok(exit::OK)

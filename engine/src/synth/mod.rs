@@ -405,7 +405,11 @@ pub fn write_checkpoint(
         &serde_json::json!({
             "generator": "k3-run synth",
             "seed": args.seed,
-            "spec_file": args.spec.display().to_string(),
+            // the spec's file name only: the manifest must not depend on where the repository lives
+            "spec_file": args.spec.file_name().map_or_else(
+                || args.spec.display().to_string(),
+                |n| n.to_string_lossy().into_owned()
+            ),
             "spec": synth,
             "kda_layers_0based": model.layers.iter().filter(|l| l.attn == AttnKind::Kda).map(|l| l.index).collect::<Vec<_>>(),
             "mla_layers_0based": model.layers.iter().filter(|l| l.attn == AttnKind::Mla).map(|l| l.index).collect::<Vec<_>>(),

@@ -302,9 +302,12 @@ mod with_mpi {
                 n_layers,
                 status,
             );
-            if r.is_err() {
-                // rank 0 says why; this rank only leaves
-                return Ok(exit::FORWARD);
+            match r {
+                Ok(()) => {}
+                // Rank 0 has this rank's status and ends the job non-zero with the message; a
+                // non-zero exit here would let mpirun end rank 0 before it says why.
+                Err(PipeError::Stopped | PipeError::Load(_)) => return Ok(exit::OK),
+                Err(_) => return Ok(exit::FORWARD),
             }
         }
         let mut stage = built.expect("a failed load ended the run at the handshake");

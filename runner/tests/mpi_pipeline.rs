@@ -6,6 +6,8 @@
 //! `mpirun` is not on the PATH. `plan --hosts` and the feature-less `--pipeline` refusal run
 //! in every build.
 
+#![cfg(unix)]
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -331,27 +331,11 @@ pub fn check_state_memory(state: &StateMemory, planned: u64, limit: u64) -> Resu
 
 impl PlanError {
     /// [`PlanError::StateTooBig`] naming the longest context that fits; others unchanged.
-    pub fn with_longest(self, n: usize) -> PlanError {
-        match self {
-            PlanError::StateTooBig {
-                positions,
-                need,
-                per_position,
-                fixed,
-                limit,
-                planned,
-                ..
-            } => PlanError::StateTooBig {
-                positions,
-                need,
-                per_position,
-                fixed,
-                limit,
-                planned,
-                longest: Some(n),
-            },
-            e => e,
+    pub fn with_longest(mut self, n: usize) -> PlanError {
+        if let PlanError::StateTooBig { longest, .. } = &mut self {
+            *longest = Some(n);
         }
+        self
     }
 }
 

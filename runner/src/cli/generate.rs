@@ -770,15 +770,7 @@ pub(crate) fn batch_main(a: &RunArgs) -> Result<u8, Failure> {
     }
     let (settings, notes) = memory_settings(a)?;
     let (spec, files) = run_spec_files(a, model_dir)?;
-    for (i, p) in prompts.iter().enumerate() {
-        if let Some(bad) = p.iter().find(|&&t| t as usize >= spec.vocab_size) {
-            return Err(Failure::usage(format!(
-                "--batch-ids: prompt {}: token {bad} is outside the vocabulary (size {})",
-                i + 1,
-                spec.vocab_size
-            )));
-        }
-    }
+    check_prompts_in_vocab(&prompts, spec.vocab_size, "--batch-ids: ")?;
     let ckpt = open_checkpoint(model_dir, &spec, &settings, &a.mem, files)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let positions = context_positions(

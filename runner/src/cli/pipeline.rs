@@ -382,15 +382,7 @@ mod with_mpi {
             )));
         }
         let (spec, _files) = run_spec_files(a, model_dir)?;
-        for (i, p) in prompts.iter().enumerate() {
-            if let Some(bad) = p.iter().find(|&&t| t as usize >= spec.vocab_size) {
-                return Err(Failure::usage(format!(
-                    "prompt {}: token {bad} is outside the vocabulary (size {})",
-                    i + 1,
-                    spec.vocab_size
-                )));
-            }
-        }
+        check_prompts_in_vocab(&prompts, spec.vocab_size, "")?;
         let split = pipeline_split(a, &spec, size)?;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let positions = context_positions(

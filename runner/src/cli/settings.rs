@@ -735,3 +735,21 @@ pub(crate) fn read_prompt_file(f: &Path) -> Result<Vec<u8>, Failure> {
     }
     Ok(bytes)
 }
+
+/// Every prompt's ids inside the vocabulary; the error names the prompt (1-based) after
+/// `label` (e.g. "--batch-ids: ").
+pub(crate) fn check_prompts_in_vocab(
+    prompts: &[Vec<u32>],
+    vocab: usize,
+    label: &str,
+) -> Result<(), Failure> {
+    for (i, p) in prompts.iter().enumerate() {
+        if let Some(bad) = p.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Failure::usage(format!(
+                "{label}prompt {}: token {bad} is outside the vocabulary (size {vocab})",
+                i + 1
+            )));
+        }
+    }
+    Ok(())
+}

@@ -624,7 +624,7 @@ fn run_configs_select_a_draft_provider() {
     let (v, logits, err) = run(&dir, "cfg-replay", &["--config", s(&job)], &[], &env);
     assert_eq!(v["generated_ids"], plain["generated_ids"], "ids");
     assert!(logits == plain_logits, "first-step logit bits");
-    assert!(err.contains("draft provider: replay"), "{err}");
+    assert!(err.contains("draft provider: plugin:replay"), "{err}");
     let acc = v["speculation"]["accepted"].as_u64().expect("accepted");
     assert!(acc > 0, "the replay drafter's guesses are accepted: {v}");
     // Without speculate, a draft provider would be ignored: refused, naming the file.

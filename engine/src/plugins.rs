@@ -567,7 +567,7 @@ pub fn drafter(
 /// Plugins a run is configured with (flags, or a run config's `[plugins]` table).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PluginSettings {
-    /// The expert-cache policy (`--eviction-plugin`, `[plugins] cache_policy`).
+    /// The expert-cache policy (`--eviction-plugin`, `[plugins] cache`).
     pub cache_policy: Option<PathBuf>,
     /// The draft provider (`--draft-plugin`, `[plugins] draft`).
     pub draft: Option<PathBuf>,
@@ -586,9 +586,11 @@ pub fn load_from_settings(s: &PluginSettings) -> Result<Vec<Loaded>, PluginError
         let l = load(p)?;
         if l.kind == Kind::DraftProvider {
             return Err(PluginError(format!(
-                "plugin {} ({}) is a draft provider, named as the cache policy",
+                "plugin {} ({}) is a {}, not a cache policy: name it as the draft provider \
+                 ([plugins] draft, --draft-plugin)",
                 l.path.display(),
-                l.name
+                l.name,
+                l.kind.label()
             )));
         }
         out.push(l);
@@ -597,7 +599,8 @@ pub fn load_from_settings(s: &PluginSettings) -> Result<Vec<Loaded>, PluginError
         let l = load(p)?;
         if l.kind != Kind::DraftProvider {
             return Err(PluginError(format!(
-                "plugin {} ({}) is a {}, named as the draft provider",
+                "plugin {} ({}) is a {}, not a draft provider: name it as the cache policy \
+                 ([plugins] cache, --eviction-plugin)",
                 l.path.display(),
                 l.name,
                 l.kind.label()

@@ -66,9 +66,6 @@ pub struct GenerateSettings {
     /// Speculative decoding: up to K guessed tokens verified per pass.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speculate: Option<usize>,
-    /// Draft-provider plugin for `speculate`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub draft_plugin: Option<PathBuf>,
     /// Stop ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_ids: Option<Vec<u32>>,
@@ -105,6 +102,21 @@ pub struct ChatSettings {
     /// Greedy decoding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub greedy: Option<bool>,
+}
+
+/// `[plugins]`: the plugins a run loads (docs/PLUGINS.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsSettings {
+    /// Expert-cache policy: a path, or a bare name found on the plugin search path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<PathBuf>,
+    /// Draft provider for `[generate] speculate`: a path or a bare name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<PathBuf>,
+    /// `KEY=VALUE` options handed to the plugins' `create`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub options: Option<Vec<String>>,
 }
 
 /// `[serve]`: the HTTP server.
@@ -180,12 +192,6 @@ pub struct Settings {
     /// Speculative expert prefetch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_prefetch: Option<Prefetch>,
-    /// Expert-cache policy plugin.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eviction_plugin: Option<PathBuf>,
-    /// `KEY=VALUE` options for the plugins.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plugin_opts: Option<Vec<String>>,
     /// Worker threads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub threads: Option<usize>,
@@ -207,6 +213,9 @@ pub struct Settings {
     /// `[serve]`.
     #[serde(default, skip_serializing_if = "is_default")]
     pub serve: ServeSettings,
+    /// `[plugins]`.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub plugins: PluginsSettings,
 }
 
 fn is_default<T: Default + PartialEq>(t: &T) -> bool {
@@ -231,8 +240,6 @@ pub const KEYS: &[(&str, &str)] = &[
     ("ultra_low_memory", "--ultra-low-memory"),
     ("resident", "--resident"),
     ("expert_prefetch", "--expert-prefetch"),
-    ("eviction_plugin", "--eviction-plugin"),
-    ("plugin_opts", "--plugin-opt"),
     ("threads", "--threads"),
     ("max_context", "--max-context"),
     ("prefill_chunk", "--prefill-chunk"),
@@ -243,7 +250,6 @@ pub const KEYS: &[(&str, &str)] = &[
     ("generate.gen", "--gen"),
     ("generate.incremental", "--incremental"),
     ("generate.speculate", "--speculate"),
-    ("generate.draft_plugin", "--draft-plugin"),
     ("generate.stop_ids", "--stop-id"),
     ("generate.out", "--out"),
     ("chat.history", "--history"),
@@ -260,18 +266,46 @@ pub const KEYS: &[(&str, &str)] = &[
     ("serve.api_key", "--api-key"),
     ("serve.max_queue", "--max-queue"),
     ("serve.request_log", "--no-request-log"),
+    ("plugins.cache", "--eviction-plugin"),
+    ("plugins.draft", "--draft-plugin"),
+    ("plugins.options", "--plugin-opt"),
 ];
+
+/// Keys a run config no longer takes, with the key that replaced each: an old config is told
+/// what to write instead rather than "unknown key".
+const RENAMED: &[(&str, &str)] = &[
+    ("eviction_plugin", "plugins.cache"),
+    ("plugin_opts", "plugins.options"),
+    ("generate.draft_plugin", "plugins.draft"),
+];
+
+/// `plugins.cache` as a TOML table line (`[plugins] cache`), for messages.
+fn in_section(key: &str) -> String {
+    match key.split_once('.') {
+        Some((s, l)) => format!("[{s}] {l}"),
+        None => key.to_string(),
+    }
+}
+
+/// The message for a renamed key found in `origin`.
+fn renamed_error(origin: &str, old: &str, new: &str) -> ConfigError {
+    ConfigError(format!(
+        "{origin}: `{old}` was replaced by the [plugins] table: write `{}` instead \
+         (docs/CONFIG.md)",
+        in_section(new)
+    ))
+}
 
 /// Keys whose value is a file or directory (resolved against the config file's directory).
 const PATH_KEYS: &[&str] = &[
     "model",
     "trunk",
     "tokenizer",
-    "eviction_plugin",
     "generate.prompt_file",
-    "generate.draft_plugin",
     "generate.out",
     "chat.history",
+    "plugins.cache",
+    "plugins.draft",
 ];
 
 /// Environment variables read besides `K3RUN_<KEY>` (sections joined by `__`, e.g.
@@ -384,7 +418,7 @@ pub fn nearest_key(key: &str) -> &'static str {
 fn check_keys(table: &toml::Table, origin: &str) -> Result<(), ConfigError> {
     let mut bad = Vec::new();
     for (k, v) in table {
-        let is_section = ["generate", "chat", "serve"].contains(&k.as_str());
+        let is_section = ["generate", "chat", "serve", "plugins"].contains(&k.as_str());
         match (is_section, v) {
             (true, toml::Value::Table(t)) => {
                 for sk in t.keys() {
@@ -405,6 +439,12 @@ fn check_keys(table: &toml::Table, origin: &str) -> Result<(), ConfigError> {
                 }
             }
         }
+    }
+    if let Some((old, new)) = bad
+        .iter()
+        .find_map(|b| RENAMED.iter().find(|(o, _)| o == b))
+    {
+        return Err(renamed_error(origin, old, new));
     }
     match bad.first() {
         None => Ok(()),
@@ -548,6 +588,13 @@ fn check_env() -> Result<(), ConfigError> {
             Some((_, to)) => (*to).to_string(),
             None => key.replace("__", "."),
         };
+        if let Some((old, new)) = RENAMED.iter().find(|(o, _)| *o == key) {
+            return Err(ConfigError(format!(
+                "environment variable {name}: `{old}` was replaced by the [plugins] table: set \
+                 K3RUN_{} instead (docs/CONFIG.md)",
+                new.to_ascii_uppercase().replace('.', "__")
+            )));
+        }
         if !KEYS.iter().any(|(k, _)| *k == key) {
             let near = nearest_key(&key);
             return Err(ConfigError(format!(
@@ -666,9 +713,9 @@ fn resolve_path(s: &mut Settings, key: &str, dir: &Path) {
         "model" => &mut s.model,
         "trunk" => &mut s.trunk,
         "tokenizer" => &mut s.tokenizer,
-        "eviction_plugin" => &mut s.eviction_plugin,
         "generate.prompt_file" => &mut s.generate.prompt_file,
-        "generate.draft_plugin" => &mut s.generate.draft_plugin,
+        "plugins.cache" => &mut s.plugins.cache,
+        "plugins.draft" => &mut s.plugins.draft,
         "generate.out" => &mut s.generate.out,
         "chat.history" => &mut s.chat.history,
         _ => return,
@@ -676,7 +723,7 @@ fn resolve_path(s: &mut Settings, key: &str, dir: &Path) {
     if let Some(p) = slot.as_mut() {
         // a plugin given by bare name is found on the plugin search path, not here
         let bare = p.components().count() == 1;
-        if p.is_relative() && !(bare && key.ends_with("plugin")) {
+        if p.is_relative() && !(bare && key.starts_with("plugins.")) {
             *p = dir.join(&*p);
         }
     }
@@ -709,11 +756,45 @@ impl Layered {
             .is_none_or(|m| m.name == "default")
     }
 
+    /// Where `key`'s merged value came from: `default`, `preset NAME (FILE:LINE)`,
+    /// `run config FILE:LINE`, `environment K3RUN_X`, `flag --x`.
+    pub fn source_of(&self, key: &str) -> String {
+        let flag = KEYS
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or("-", |(_, f)| *f);
+        match self.figment.find_metadata(key) {
+            None => "default".to_string(),
+            Some(m) => match (&m.source, m.name.as_ref()) {
+                (Some(Source::File(p)), name) => {
+                    let line = line_of(p, key).map_or(String::new(), |l| format!(":{l}"));
+                    if name.starts_with("preset") {
+                        format!("{name} ({}{line})", p.display())
+                    } else {
+                        format!("run config {}{line}", p.display())
+                    }
+                }
+                (_, "flag") => format!("flag {flag}"),
+                (_, n) if n.contains("environment") => {
+                    let alias = ENV_ALIASES.iter().find(|(_, to)| *to == key);
+                    match alias {
+                        Some((a, _)) => format!("environment K3RUN_{}", a.to_uppercase()),
+                        None => format!(
+                            "environment K3RUN_{}",
+                            key.to_uppercase().replace('.', "__")
+                        ),
+                    }
+                }
+                (_, n) => n.to_string(),
+            },
+        }
+    }
+
     /// Every set value with its source, in schema order (an API key shown as `"<set>"`).
     pub fn explain(&self) -> Vec<Explained> {
         let v = serde_json::to_value(&self.settings).unwrap_or_default();
         let mut out = Vec::new();
-        for (key, flag) in KEYS {
+        for (key, _) in KEYS {
             let value = key
                 .split('.')
                 .try_fold(&v, |v, k| v.get(k))
@@ -727,31 +808,7 @@ impl Layered {
             } else {
                 value
             };
-            let source = match self.figment.find_metadata(key) {
-                None => "default".to_string(),
-                Some(m) => match (&m.source, m.name.as_ref()) {
-                    (Some(Source::File(p)), name) => {
-                        let line = line_of(p, key).map_or(String::new(), |l| format!(":{l}"));
-                        if name.starts_with("preset") {
-                            format!("{name} ({}{line})", p.display())
-                        } else {
-                            format!("run config {}{line}", p.display())
-                        }
-                    }
-                    (_, "flag") => format!("flag {flag}"),
-                    (_, n) if n.contains("environment") => {
-                        let alias = ENV_ALIASES.iter().find(|(_, to)| to == key);
-                        match alias {
-                            Some((a, _)) => format!("environment K3RUN_{}", a.to_uppercase()),
-                            None => format!(
-                                "environment K3RUN_{}",
-                                key.to_uppercase().replace('.', "__")
-                            ),
-                        }
-                    }
-                    (_, n) => n.to_string(),
-                },
-            };
+            let source = self.source_of(key);
             out.push(Explained {
                 key: key.to_string(),
                 value,
@@ -926,6 +983,97 @@ mod tests {
                 .iter()
                 .any(|e| e.key == "cache_gb" && e.source == "flag --cache-gb")
         );
+    }
+
+    #[test]
+    fn plugins_table_paths_renames_and_unknown_keys() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = write(
+            d.path(),
+            "job.toml",
+            "schema_version = 1\n[plugins]\ncache = \"lfu\"\ndraft = \"lib/ngram.so\"\n\
+             options = [\"age_every=64\"]\n",
+        );
+        let l = layer(Some(&p), Settings::default()).expect("layers");
+        // a bare name stays a name (the plugin search path finds it); a path is the file's
+        assert_eq!(l.settings.plugins.cache, Some(PathBuf::from("lfu")));
+        assert_eq!(
+            l.settings.plugins.draft,
+            Some(d.path().join("lib/ngram.so"))
+        );
+        assert_eq!(
+            l.settings.plugins.options.as_deref(),
+            Some(&["age_every=64".to_string()][..])
+        );
+        assert!(
+            l.source_of("plugins.options").ends_with("job.toml:5"),
+            "{}",
+            l.source_of("plugins.options")
+        );
+        // a flag replaces the config's value
+        let flags = Settings {
+            plugins: PluginsSettings {
+                cache: Some(PathBuf::from("./s3.so")),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let l = layer(Some(&p), flags).expect("layers");
+        assert_eq!(l.settings.plugins.cache, Some(PathBuf::from("./s3.so")));
+        assert_eq!(l.source_of("plugins.cache"), "flag --eviction-plugin");
+        // the old top-level keys say what replaced them
+        for (text, old, new) in [
+            (
+                "eviction_plugin = \"lfu\"\n",
+                "eviction_plugin",
+                "[plugins] cache",
+            ),
+            (
+                "plugin_opts = [\"a=1\"]\n",
+                "plugin_opts",
+                "[plugins] options",
+            ),
+            (
+                "[generate]\ndraft_plugin = \"ngram\"\n",
+                "generate.draft_plugin",
+                "[plugins] draft",
+            ),
+        ] {
+            let p = write(d.path(), "old.toml", &format!("schema_version = 1\n{text}"));
+            let e = layer(Some(&p), Settings::default())
+                .err()
+                .expect("renamed key")
+                .to_string();
+            assert!(
+                e.contains("old.toml") && e.contains(&format!("`{old}`")) && e.contains(new),
+                "{e}"
+            );
+        }
+        let p = write(
+            d.path(),
+            "typo.toml",
+            "schema_version = 1\n[plugins]\ncahce = \"lfu\"\n",
+        );
+        let e = layer(Some(&p), Settings::default())
+            .err()
+            .expect("unknown key")
+            .to_string();
+        assert!(
+            e.contains("typo.toml")
+                && e.contains("`plugins.cahce`")
+                && e.contains("did you mean `plugins.cache`"),
+            "{e}"
+        );
+        let p = write(
+            d.path(),
+            "flat.toml",
+            "schema_version = 1\nplugins = \"lfu\"\n",
+        );
+        let e = layer(Some(&p), Settings::default())
+            .err()
+            .expect("not a table")
+            .to_string();
+        assert!(e.contains("flat.toml") && e.contains("[plugins]"), "{e}");
     }
 
     #[test]

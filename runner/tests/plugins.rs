@@ -526,3 +526,184 @@ fn misbehaving_plugins_warn_and_fall_back_with_the_same_output() {
         );
     }
 }
+
+/// A run config on fixture A: the cache run of [`cache_run`] (or the draft run) with `plugins`
+/// as its `[plugins]` table (TOML lines) and `extra` top-level / `[generate]` lines.
+fn job_config(dir: &Path, name: &str, generate: &str, top: &str, plugins: &str) -> PathBuf {
+    let text = format!(
+        "schema_version = 1\nmodel = {:?}\nthreads = 1\n{top}\n[generate]\nincremental = true\n\
+         {generate}\n[plugins]\n{plugins}\n",
+        s(&fixture_a())
+    );
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write run config");
+    p
+}
+
+const CACHE_TOP: &str = "cache_gb = 0.0003\nexpert_prefetch = false";
+const CACHE_GEN: &str = "ids = [1, 2, 3, 4, 5, 6]\ngen = 12";
+
+#[test]
+fn run_configs_select_plugins_through_the_plugins_table() {
+    let dir = fresh_dir("plugins_config");
+    let pdir = plugin_dir().to_str().expect("UTF-8").to_string();
+    let env = [("K3_PLUGIN_DIR", pdir.as_str())];
+    let (lru, lru_logits, _) = run(&dir, "lru", &cache_run(), &[], &[]);
+    // `cache = "lfu"`: a bare name, found on the plugin search path.
+    let job = job_config(&dir, "lfu.toml", CACHE_GEN, CACHE_TOP, "cache = \"lfu\"");
+    let (v, logits, err) = run(&dir, "cfg-lfu", &["--config", s(&job)], &[], &env);
+    assert_eq!(v["generated_ids"], lru["generated_ids"], "ids");
+    assert!(logits == lru_logits, "first-step logit bits");
+    assert!(!err.contains("warning"), "{err}");
+    assert!(v["memory_plan"].to_string().contains("plugin:lfu policy"));
+    assert_eq!(v["experts"]["requests"], lru["experts"]["requests"]);
+    assert_ne!(
+        v["experts"]["hits"], lru["experts"]["hits"],
+        "lfu from the run config should change the hit count"
+    );
+    // `config show` names the file and line of each [plugins] value.
+    let o = k3_env(&["config", "show", "--config", s(&job)], &env);
+    let shown = ok(&o);
+    let out = stdout(&o);
+    assert!(
+        out.lines().any(|l| l.starts_with("plugins.cache")
+            && l.contains("\"lfu\"")
+            && l.contains("lfu.toml:11")),
+        "{out}{shown}"
+    );
+    // A flag replaces the config's plugin.
+    let s3 = lib("s3fifo");
+    let (v, logits, _) = run(
+        &dir,
+        "cfg-flag",
+        &["--config", s(&job)],
+        &["--eviction-plugin", &s3],
+        &env,
+    );
+    assert!(
+        v["memory_plan"]
+            .to_string()
+            .contains("plugin:s3fifo policy")
+    );
+    assert_eq!(v["generated_ids"], lru["generated_ids"]);
+    assert!(logits == lru_logits);
+    // A path is relative to the config file's directory, not the current directory.
+    std::fs::create_dir_all(dir.join("plugins")).expect("mkdir");
+    std::fs::copy(lib("s3fifo"), dir.join("plugins/policy.so")).expect("copy plugin");
+    let job_rel = job_config(
+        &dir,
+        "rel.toml",
+        CACHE_GEN,
+        CACHE_TOP,
+        "cache = \"plugins/policy.so\"",
+    );
+    let (v, _, _) = run(&dir, "cfg-rel", &["--config", s(&job_rel)], &[], &[]);
+    assert!(
+        v["memory_plan"]
+            .to_string()
+            .contains("plugin:s3fifo policy")
+    );
+}
+
+#[test]
+fn run_configs_select_a_draft_provider() {
+    let dir = fresh_dir("plugins_config_draft");
+    let pdir = plugin_dir().to_str().expect("UTF-8").to_string();
+    let env = [("K3_PLUGIN_DIR", pdir.as_str())];
+    let ids = ["--ids", "1,2,3,1,2,3,1,2", "--gen", "24", "--incremental"];
+    let (plain, plain_logits, _) = run(&dir, "plain", &ids, &["--threads", "1"], &[]);
+    let recorded = dir.join("plain.json");
+    let spec_gen = "ids = [1, 2, 3, 1, 2, 3, 1, 2]\ngen = 24\nspeculate = 8";
+    let job = job_config(
+        &dir,
+        "replay.toml",
+        spec_gen,
+        "",
+        &format!("draft = \"replay\"\noptions = [\"out={}\"]", s(&recorded)),
+    );
+    let (v, logits, err) = run(&dir, "cfg-replay", &["--config", s(&job)], &[], &env);
+    assert_eq!(v["generated_ids"], plain["generated_ids"], "ids");
+    assert!(logits == plain_logits, "first-step logit bits");
+    assert!(err.contains("draft provider: plugin:replay"), "{err}");
+    let acc = v["speculation"]["accepted"].as_u64().expect("accepted");
+    assert!(acc > 0, "the replay drafter's guesses are accepted: {v}");
+    // Without speculate, a draft provider would be ignored: refused, naming the file.
+    let job = job_config(
+        &dir,
+        "nospec.toml",
+        "ids = [1, 2, 3]\ngen = 4",
+        "",
+        "draft = \"ngram\"",
+    );
+    let o = k3_env(&["--config", s(&job)], &env);
+    expect_fail(&o, 2, &["nospec.toml", "[plugins] draft", "speculate"]);
+}
+
+#[test]
+fn bad_plugins_tables_are_errors_naming_the_run_config() {
+    let dir = fresh_dir("plugins_config_bad");
+    let pdir = plugin_dir().to_str().expect("UTF-8").to_string();
+    let env = [("K3_PLUGIN_DIR", pdir.as_str())];
+    let missing = dir.join("sub/missing.so");
+    let cases: Vec<(&str, String, Vec<String>)> = vec![
+        (
+            "typo.toml",
+            "cahce = \"lfu\"".into(),
+            vec![
+                "typo.toml".into(),
+                "`plugins.cahce`".into(),
+                "plugins.cache".into(),
+            ],
+        ),
+        (
+            "nameless.toml",
+            "cache = \"surely-not-a-plugin\"".into(),
+            vec![
+                "nameless.toml:11".into(),
+                "[plugins] cache".into(),
+                "not found".into(),
+            ],
+        ),
+        (
+            "missing.toml",
+            "cache = \"sub/missing.so\"".into(),
+            vec![
+                "missing.toml:11".into(),
+                s(&missing).to_string(),
+                "no such file".into(),
+            ],
+        ),
+        (
+            "kind.toml",
+            "cache = \"ngram\"".into(),
+            vec!["kind.toml".into(), "not a cache policy".into()],
+        ),
+    ];
+    for (name, plugins, needles) in cases {
+        let job = job_config(&dir, name, CACHE_GEN, CACHE_TOP, &plugins);
+        let o = k3_env(&["--config", s(&job)], &env);
+        let n: Vec<&str> = needles.iter().map(String::as_str).collect();
+        let err = expect_fail(&o, 2, &n);
+        assert!(!stdout(&o).contains("generated ids"), "{name}: {err}");
+    }
+    // The old top-level keys are refused with what replaced them.
+    let old = dir.join("old.toml");
+    std::fs::write(
+        &old,
+        format!(
+            "schema_version = 1\nmodel = {:?}\neviction_plugin = \"lfu\"\n",
+            s(&fixture_a())
+        ),
+    )
+    .expect("write");
+    expect_fail(
+        &k3(&["--config", s(&old)]),
+        2,
+        &["old.toml", "`eviction_plugin`", "[plugins] cache"],
+    );
+    expect_fail(
+        &k3_env(&[s(&fixture_a())], &[("K3RUN_EVICTION_PLUGIN", "lfu")]),
+        2,
+        &["K3RUN_EVICTION_PLUGIN", "K3RUN_PLUGINS__CACHE"],
+    );
+}

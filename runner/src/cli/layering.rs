@@ -42,12 +42,6 @@ pub(crate) fn flags_of(a: &RunArgs, m: &ArgMatches) -> Settings {
                     Some(m) => Prefetch::Margin(m),
                 },
             ),
-            eviction_plugin: a
-                .mem
-                .eviction_plugin
-                .clone()
-                .filter(|_| g("eviction_plugin")),
-            plugin_opts: g("plugin_opts").then(|| a.mem.plugin_opts.clone()),
             threads: a.threads.filter(|_| g("threads")),
             max_context: a.max_context.filter(|_| g("max_context")),
             prefill_chunk: a.prefill_chunk.filter(|_| g("prefill_chunk")),
@@ -66,7 +60,6 @@ pub(crate) fn flags_of(a: &RunArgs, m: &ArgMatches) -> Settings {
     gs.tokens = g("n_gen").then_some(a.n_gen);
     gs.incremental = g("incremental").then_some(a.incremental);
     gs.speculate = a.speculate.filter(|_| g("speculate"));
-    gs.draft_plugin = a.draft_plugin.clone().filter(|_| g("draft_plugin"));
     gs.stop_ids = g("stop_ids").then(|| a.stop_ids.clone());
     gs.out = g("out").then(|| a.out.clone());
     let c = &a.chat;
@@ -85,6 +78,14 @@ pub(crate) fn flags_of(a: &RunArgs, m: &ArgMatches) -> Settings {
     serve.api_key = pick("api_key", c.api_key.clone());
     serve.max_queue = c.max_queue.filter(|_| g("max_queue"));
     serve.request_log = g("no_request_log").then_some(!c.no_request_log);
+    let p = &mut s.plugins;
+    p.cache = a
+        .mem
+        .eviction_plugin
+        .clone()
+        .filter(|_| g("eviction_plugin"));
+    p.draft = a.draft_plugin.clone().filter(|_| g("draft_plugin"));
+    p.options = g("plugin_opts").then(|| a.mem.plugin_opts.clone());
     s
 }
 
@@ -143,8 +144,8 @@ fn apply(l: &Layered, a: &mut RunArgs, flag_prompt: bool) {
         Prefetch::On(true) => PrefetchArg(Some(crate::session::DEFAULT_PREFETCH_MARGIN)),
         Prefetch::Margin(m) => PrefetchArg(Some(m)),
     });
-    a.mem.eviction_plugin = s.eviction_plugin.clone();
-    a.mem.plugin_opts = s.plugin_opts.clone().unwrap_or_default();
+    a.mem.eviction_plugin = s.plugins.cache.clone();
+    a.mem.plugin_opts = s.plugins.options.clone().unwrap_or_default();
     a.threads = s.threads;
     a.max_context = s.max_context;
     a.prefill_chunk = s.prefill_chunk;
@@ -176,7 +177,7 @@ fn apply(l: &Layered, a: &mut RunArgs, flag_prompt: bool) {
     a.n_gen = g.tokens.unwrap_or(8);
     a.incremental = g.incremental.unwrap_or(false);
     a.speculate = g.speculate;
-    a.draft_plugin = g.draft_plugin.clone();
+    a.draft_plugin = s.plugins.draft.clone();
     a.stop_ids = g.stop_ids.clone().unwrap_or_default();
     a.out = g
         .out
@@ -197,6 +198,51 @@ fn apply(l: &Layered, a: &mut RunArgs, flag_prompt: bool) {
     a.chat.api_key = v.api_key.clone();
     a.chat.max_queue = v.max_queue;
     a.chat.no_request_log = v.request_log == Some(false);
+}
+
+/// The merged `[plugins]` of a run, checked before any weight is read: each plugin loads and
+/// is of the kind its key names, and a draft provider has speculation to feed. An error names
+/// where the value came from (`run config FILE:LINE`, `environment K3RUN_PLUGINS__CACHE`, or
+/// the flag).
+pub(crate) fn check_plugins(l: &Layered, a: &RunArgs) -> Result<(), Failure> {
+    use crate::plugins::{PluginSettings, load_from_settings};
+    let from = |key: &str| {
+        let src = l.source_of(key);
+        match src.strip_prefix("flag ") {
+            Some(flag) => flag.to_string(),
+            None => format!("{src} ([plugins] {})", key.trim_start_matches("plugins.")),
+        }
+    };
+    if a.draft_plugin.is_some() {
+        let at = from("plugins.draft");
+        if a.chat.chat || a.chat.serve.is_some() {
+            return Err(Failure::usage(format!(
+                "{at}: a draft provider feeds generate runs' --speculate; chat and serve use \
+                 the built-in prompt lookup"
+            )));
+        }
+        if a.speculate.is_none() {
+            return Err(Failure::usage(format!(
+                "{at}: a draft provider proposes tokens for speculative decoding: add \
+                 `speculate = K` to [generate] (or --speculate K)"
+            )));
+        }
+    }
+    let options = a.mem.plugin_opts.clone();
+    let checks = [
+        ("plugins.cache", &a.mem.eviction_plugin, true),
+        ("plugins.draft", &a.draft_plugin, false),
+    ];
+    for (key, path, cache) in checks {
+        let Some(p) = path else { continue };
+        let one = PluginSettings {
+            cache_policy: cache.then(|| p.clone()),
+            draft: (!cache).then(|| p.clone()),
+            options: options.clone(),
+        };
+        load_from_settings(&one).map_err(|e| Failure::usage(format!("{}: {e}", from(key))))?;
+    }
+    Ok(())
 }
 
 /// Arguments of `k3-run config`.

@@ -171,6 +171,7 @@ pub fn main() -> ExitCode {
     // K3RUN_* < the flags given.
     if cli.command.is_none()
         && let Err(f) = layering::layer_run(&mut cli.run, &matches)
+            .and_then(|l| layering::check_plugins(&l, &cli.run))
     {
         eprintln!("k3-run: error: {}", f.msg);
         return ExitCode::from(f.code);

@@ -371,13 +371,14 @@ pub fn memory_settings(
         && (m.eviction_plugin.is_some() || m.expert_prefetch.is_some())
     {
         return Err(Failure::usage(
-            "--eviction-plugin and --expert-prefetch act on the expert cache: add --cache-gb \
-             (or a --preset); without it the routed experts are resident",
+            "--eviction-plugin ([plugins] cache) and --expert-prefetch act on the expert cache: \
+             add --cache-gb (or a --preset); without it the routed experts are resident",
         ));
     }
     if !m.plugin_opts.is_empty() && m.eviction_plugin.is_none() && a.draft_plugin.is_none() {
         return Err(Failure::usage(
-            "--plugin-opt configures a plugin: add --eviction-plugin or --draft-plugin",
+            "--plugin-opt ([plugins] options) configures a plugin: add --eviction-plugin or \
+             --draft-plugin ([plugins] cache or draft)",
         ));
     }
     if let Some(dir) = &settings.trunk_dir {

@@ -214,7 +214,7 @@ mod with_mpi {
         if let Ok(mut s) = signal_hook::iterator::Signals::new([SIGTERM]) {
             std::thread::spawn(move || {
                 if s.forever().next().is_some() {
-                    eprintln!(
+                    say!(
                         "k3-run: error: pipeline rank {rank}: the job was ended from outside \
                          (SIGTERM; mpirun does this when another rank died or failed: its \
                          message names the rank); no ids for the unfinished sequences"
@@ -276,12 +276,12 @@ mod with_mpi {
         };
         let status = built.as_ref().map(|_| ()).map_err(|e| e.clone());
         if let Err(e) = &status {
-            eprintln!("pipeline rank {rank}: cannot load its layers: {e}");
+            say!("pipeline rank {rank}: cannot load its layers: {e}");
         }
         if rank == 0 {
             let Some(split) = split.as_ref() else {
                 let msg = status.clone().err().unwrap_or_default();
-                eprintln!("k3-run: error: pipeline rank 0: {msg}");
+                say!("k3-run: error: pipeline rank 0: {msg}");
                 abort(&world, exit::USAGE);
             };
             if let Err(e) = pipeline::start_first(&mut link, split, n_layers, status) {
@@ -332,7 +332,7 @@ mod with_mpi {
                         }
                         _ => exit::FORWARD,
                     };
-                    eprintln!("k3-run: error: pipeline: {e}");
+                    say!("k3-run: error: pipeline: {e}");
                     abort(&world, code);
                 }
             }
@@ -340,7 +340,7 @@ mod with_mpi {
             match pipeline::run_worker(&mut link, &mut stage) {
                 Ok(()) => Ok(exit::OK),
                 Err(e) => {
-                    eprintln!("pipeline rank {rank}: {e}");
+                    say!("pipeline rank {rank}: {e}");
                     // rank 0 was told and ends the job; if it cannot, end it from here
                     std::thread::sleep(Duration::from_secs(10));
                     abort(&world, exit::FORWARD);
@@ -427,7 +427,7 @@ mod with_mpi {
         let threads = run_threads(a).map_err(|f| f.msg)?;
         let plan = with_prefill_chunk(a, Plan::new(&p.spec, p.positions)).map_err(|f| f.msg)?;
         let exec = Executor::new(&p.spec, plan, threads);
-        eprintln!(
+        say!(
             "pipeline rank {rank} (pid {}): layers {}..{} of {}",
             std::process::id(),
             rs.layers.start,
@@ -435,7 +435,7 @@ mod with_mpi {
             p.spec.n_layers
         );
         for l in lines {
-            eprintln!("  rank {rank}: {l}");
+            say!("  rank {rank}: {l}");
         }
         Ok(Stage::new(&p.spec, exec, providers, rs.layers, pinned))
     }

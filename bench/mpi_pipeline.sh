@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/mpi_pipeline.sh: k3-mini, `mpirun -np 3 ... --pipeline` with each rank in its own
-# cgroup v1 memory cap against one process at the sum of those caps (docs/MPI.md "Measured").
+# cgroup v1 memory cap against one process at the sum of those caps (docs/SCALE-OUT.md "Measured").
 #
 # For batch 1, 2 and 4 (prompts 1,2,3,4 / 5,6,7 / 8,9 / 10,11,12,13,14; --gen $K3B_GEN), REPS
 # rounds, alternating, the page cache dropped before every run:

@@ -1,5 +1,5 @@
 //! A pipeline across processes: rank r runs a contiguous range of layers and passes each
-//! token's residual carry on to rank r + 1 (docs/MPI.md).
+//! token's residual carry on to rank r + 1 (docs/SCALE-OUT.md).
 //!
 //! Owns: the split of the layers over the ranks ([`split`]), one rank's trunk ([`trunk`]), the
 //! messages ([`wire`]), and the two drivers: [`run_first`] on rank 0 (the request, the

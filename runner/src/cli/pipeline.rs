@@ -1,4 +1,4 @@
-//! `--pipeline`: the run split over MPI ranks (docs/MPI.md), and the split `plan --hosts` /
+//! `--pipeline`: the run split over MPI ranks (docs/SCALE-OUT.md), and the split `plan --hosts` /
 //! `--host-gb` prints.
 //!
 //! Owns: the pipeline flags, the per-host budgets -> [`crate::pipeline::Split`], and (with the
@@ -8,7 +8,7 @@
 
 use super::*;
 
-/// Pipeline flags (docs/MPI.md).
+/// Pipeline flags (docs/SCALE-OUT.md).
 #[derive(Args, Debug, Default, Clone)]
 pub struct PipelineArgs {
     /// Run as one rank of a pipeline across MPI ranks (under `mpirun` or `srun`; needs a
@@ -114,7 +114,7 @@ pub(crate) fn plan_split_lines(a: &RunArgs, spec: &ModelSpec) -> Result<Vec<Stri
 pub(crate) fn pipeline_main(_a: &RunArgs) -> Result<u8, Failure> {
     Err(Failure::usage(
         "--pipeline needs a k3-run built with the `mpi` feature (cargo build --release \
-         --features mpi; docs/MPI.md)",
+         --features mpi; docs/SCALE-OUT.md)",
     ))
 }
 
@@ -208,17 +208,37 @@ mod with_mpi {
     }
 
     /// Rank 0 says why it is going away when `mpirun` ends the job (SIGTERM after another
-    /// rank died), instead of vanishing silently.
+    /// rank died), instead of vanishing silently. mpirun sends SIGKILL 1 s after SIGTERM
+    /// (`odls_base_sigkill_timeout`), so the line is written and the process left from the
+    /// signal handler itself (write(2) and _exit(2), both async-signal-safe): a thread woken
+    /// by the signal may not run within that second on a loaded host.
     fn say_on_sigterm(rank: usize) {
         use signal_hook::consts::SIGTERM;
+        let line: &'static [u8] = format!(
+            "k3-run: error: pipeline rank {rank}: the job was ended from outside (SIGTERM; \
+             mpirun does this when another rank died or failed: its message names the rank); \
+             no ids for the unfinished sequences\n"
+        )
+        .into_bytes()
+        .leak();
+        #[cfg(unix)]
+        {
+            let code = exit::FORWARD as libc::c_int;
+            // SAFETY: the handler calls only write(2) and _exit(2), which are
+            // async-signal-safe, on a buffer that lives for the rest of the process.
+            let _ = unsafe {
+                signal_hook::low_level::register(SIGTERM, move || {
+                    libc::write(2, line.as_ptr().cast(), line.len());
+                    libc::_exit(code);
+                })
+            };
+        }
+        #[cfg(not(unix))]
         if let Ok(mut s) = signal_hook::iterator::Signals::new([SIGTERM]) {
             std::thread::spawn(move || {
                 if s.forever().next().is_some() {
-                    say!(
-                        "k3-run: error: pipeline rank {rank}: the job was ended from outside \
-                         (SIGTERM; mpirun does this when another rank died or failed: its \
-                         message names the rank); no ids for the unfinished sequences"
-                    );
+                    use std::io::Write;
+                    let _ = std::io::stderr().write_all(line);
                     std::process::exit(exit::FORWARD as i32);
                 }
             });

@@ -18,6 +18,12 @@ preset from parts measured on k3-wide (the release's widths, configs/synth/k3-wi
         models/tests/data/kimi-k3-config.json --json`, PLAN.json) at every preset, on the
         measured machine or on one described by the flags.
 
+    project.py pipeline PARTS.json --plan PLAN.json --hosts 4,8 [--host-gb 32] [--cache-gb 2]
+                             [--disk-gbs 2] [--cores 8] [--net-gbps 10,25] [--net-latency-us 30]
+        Real K3 split over H hosts (`k3-run --pipeline`, docs/SCALE-OUT.md "Throughput model"):
+        per host its layers, trunk streamed, expert bytes, stage time; s/token at batch 1 and
+        tokens/s at batch H, against one host alone at the desktop preset.
+
 The model (docs/RELEASE-WIDTHS.md, "Projection"):
   compute(layer)  = the measured seconds of its kind (KDA + dense, KDA + MoE, MLA + MoE) at
                     these widths, plus its extra router bytes (896 vs 64 experts) at the
@@ -335,6 +341,89 @@ def k3(pp, plan_path, disk_gbs, cores, dram_gbs, exp_gbs, prompt):
               f"{p['compute']:.2f} | {p['s_per_token']:.2f} | {peak/1e9:.2f} | {first:.1f} |")
 
 
+def split_hosts(plan, budgets):
+    """The contiguous split minimising the largest trunk bytes / budget (engine/src/pipeline/
+    split.rs): every host at least one layer."""
+    b = [-(-l["trunk_bytes"] // ALIGN) * ALIGN for l in plan["layers"]]
+    n, h = len(b), len(budgets)
+    pre = [0]
+    for x in b:
+        pre.append(pre[-1] + x)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(h + 1)]
+    cut = [[0] * (n + 1) for _ in range(h + 1)]
+    best[0][0] = 0.0
+    for k in range(1, h + 1):
+        for j in range(k, n - (h - k) + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], (pre[j] - pre[i]) / budgets[k - 1])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    ranges, j = [], n
+    for k in range(h, 0, -1):
+        i = cut[k][j]
+        ranges.append((i, j))
+        j = i
+    return ranges[::-1], pre
+
+
+def pipeline(pp, plan_path, hosts_list, host_gb, cache_gb, disk_gbs, cores, nets, lat_us):
+    P = load(pp)
+    plan = load(plan_path)
+    scale = machine_scale(P, cores)
+    _, per = compute_seconds(P, plan, scale)
+    head = P["compute_seconds"]["head"] * (plan["global_bytes"] // 2) / P["lm_head_bytes"] * scale
+    lm = plan["global_bytes"] - plan["embed_bytes"]
+    active = plan["active_expert_bytes_per_layer"]
+    disk = disk_gbs * 1e9
+    d_model = 7168
+    block = 12
+    n_exp = plan["layers"][-1]["expert_bytes"] // EXPERT_BYTES
+    print(f"real K3 over H hosts of {host_gb:g} GB each (expert cache {cache_gb:g} GB each), "
+          f"disk {disk_gbs:g} GB/s, {cores or P['cores']} cores per host (compute x{scale:.3f}), "
+          f"network latency {lat_us:g} us one way\n")
+    rows = []
+    for H in hosts_list:
+        budgets = [(host_gb - cache_gb) * 1e9] * H
+        budgets[-1] -= lm
+        ranges, pre = split_hosts(plan, budgets)
+        print(f"H = {H}:")
+        print("| host | layers | trunk GB (budget) | trunk GB streamed / token | expert GB / token "
+              "| compute s | expert read s | stage s | carry KB out |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        stages, hops_kb = [], []
+        for h, (i, j) in enumerate(ranges):
+            trunk = pre[j] - pre[i]
+            streamed = max(0.0, trunk - budgets[h])
+            moe = sum(1 for l in plan["layers"][i:j] if l["ffn"] == "Moe")
+            # misses: uniform routing over this host's experts, the cache split over its layers
+            cache_experts = cache_gb * 1e9 / EXPERT_BYTES
+            hit = min(1.0, cache_experts / max(1, moe) / n_exp) if moe else 0.0
+            exp_b = moe * active * (1 - hit)
+            comp = sum(per[i:j]) + (head if h == H - 1 else 0.0)
+            io = exp_b / disk + streamed / disk
+            stage = comp + io
+            stages.append(stage)
+            vectors = 1 + -(-j // block)  # partial sum + the block sums up to layer j (upper bound)
+            carry = 4 * d_model * vectors if h < H - 1 else 0
+            hops_kb.append(carry / 1e3)
+            print(f"| {h} | {i}..{j} | {trunk/1e9:.2f} ({budgets[h]/1e9:.2f}) | {streamed/1e9:.2f} | "
+                  f"{exp_b/1e9:.2f} | {comp:.2f} | {io:.2f} | {stage:.2f} | "
+                  f"{carry/1e3:.0f} |")
+        for g in nets:
+            bw = g * 1e9 / 8
+            hop = [lat_us * 1e-6 + kb * 1e3 / bw for kb in hops_kb[:-1]] + [lat_us * 1e-6]
+            one = sum(stages) + sum(hop)
+            cycle = max(one, H * max(stages))
+            rows.append((H, g, sum(stages), sum(hop), one, H / cycle, one + (H - 1) * max(stages)))
+        print()
+    print("| hosts | network | stages s (sum) | hops s (sum, incl. the id back) | batch 1: s/token "
+          "| batch = hosts: tokens/s | batch = hosts: first id of the last sequence s |")
+    print("|---|---|---|---|---|---|---|")
+    for H, g, st, hp, one, tps, fill in rows:
+        print(f"| {H} | {g:g} GbE | {st:.2f} | {hp*1e3:.2f} ms | {one:.2f} | {tps:.3f} | {fill:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -353,11 +442,24 @@ def main():
     k.add_argument("--cores", type=int)
     k.add_argument("--dram-gbs", type=float)
     k.add_argument("--prompt", type=int, default=4)
+    q = sub.add_parser("pipeline")
+    q.add_argument("parts")
+    q.add_argument("--plan", required=True)
+    q.add_argument("--hosts", default="4,8")
+    q.add_argument("--host-gb", type=float, default=32.0)
+    q.add_argument("--cache-gb", type=float, default=2.0)
+    q.add_argument("--disk-gbs", type=float, default=2.0)
+    q.add_argument("--cores", type=int, default=8)
+    q.add_argument("--net-gbps", default="10,25")
+    q.add_argument("--net-latency-us", type=float, default=30.0)
     x = ap.parse_args()
     if x.cmd == "parts":
         parts(x.dir, x.out)
     elif x.cmd == "check":
         check(x.parts, x.dir, x.disk_gbs)
+    elif x.cmd == "pipeline":
+        pipeline(x.parts, x.plan, [int(v) for v in x.hosts.split(",")], x.host_gb, x.cache_gb,
+                 x.disk_gbs, x.cores, [float(v) for v in x.net_gbps.split(",")], x.net_latency_us)
     else:
         k3(x.parts, x.plan, x.disk_gbs, x.cores, x.dram_gbs, x.expert_gbs, x.prompt)
 

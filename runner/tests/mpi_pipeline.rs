@@ -1,4 +1,4 @@
-//! `--pipeline` through the binary under `mpirun` (docs/MPI.md): `-np 2` and `-np 3` on the
+//! `--pipeline` through the binary under `mpirun` (docs/SCALE-OUT.md): `-np 2` and `-np 3` on the
 //! committed fixtures over the shared-memory transport give the single-process ids and
 //! first-step logit bytes at batch 1, 3 and 4; a rank killed mid-run and a rank that cannot
 //! load its layers end the job with rank 0's message and a non-zero exit, within a timeout.

@@ -1,4 +1,4 @@
-//! The pipeline across ranks (`k3_engine::pipeline`, docs/MPI.md) with ranks as threads joined
+//! The pipeline across ranks (`k3_engine::pipeline`, docs/SCALE-OUT.md) with ranks as threads joined
 //! by channels: the same drivers, messages and executor stage hooks the MPI ranks run, without
 //! MPI. At every split (1, 2, 3 ranks; balanced and uneven) and batch size (1, 2, 4) the ids
 //! and the first-step logit bits equal the single-process batch run; a rank that cannot load

@@ -1,5 +1,5 @@
 //! A pipeline across processes: rank r runs a contiguous range of layers and passes each
-//! token's residual carry on to rank r + 1 (docs/MPI.md).
+//! token's residual carry on to rank r + 1 (docs/SCALE-OUT.md).
 //!
 //! Owns: the split of the layers over the ranks ([`split`]), one rank's trunk ([`trunk`]), the
 //! messages ([`wire`]), and the two drivers: [`run_first`] on rank 0 (the request, the
@@ -112,6 +112,12 @@ pub struct PipelineReport {
     /// back (half the round trip), and its size; 0 with one rank.
     pub hop_seconds: f64,
     pub hop_bytes: u64,
+    /// The same for a message the size of one token's largest carry (the partial sum and
+    /// every block sum a token can carry: what crosses a hop near the last layer).
+    #[serde(default)]
+    pub carry_hop_seconds: f64,
+    #[serde(default)]
+    pub carry_hop_bytes: u64,
 }
 
 /// One rank's executor, providers, layers and per-sequence states.
@@ -473,6 +479,29 @@ struct SeqRun {
     done: bool,
 }
 
+/// The median one-way seconds (half a round trip to rank 1 and back, `trips` times) of a
+/// message with a `payload`-byte body, and the message's bytes.
+fn time_hop<L: Link + ?Sized>(
+    c: &mut Counted<'_, L>,
+    payload: usize,
+    trips: usize,
+) -> Result<(f64, u64), PipeError> {
+    let body = vec![0u8; payload];
+    let bytes = Msg::Ping(body.clone()).encode().len() as u64;
+    let mut v = Vec::with_capacity(trips);
+    for _ in 0..trips {
+        let t = Instant::now();
+        c.send(1, &Msg::Ping(body.clone()))?;
+        match c.recv_from(1)? {
+            Msg::Ping(_) => v.push(t.elapsed().as_secs_f64() / 2.0),
+            Msg::Error(e) => return Err(PipeError::Rank { rank: 1, msg: e }),
+            m => return Err(PipeError::Protocol(format!("expected a ping, got {m:?}"))),
+        }
+    }
+    v.sort_by(f64::total_cmp);
+    Ok((v[v.len() / 2], bytes))
+}
+
 /// Rank 0's run, after [`start_first`]: embeds and runs its layers on one item of every
 /// sequence that has none in flight (a prompt chunk, or the last id), sends it to rank 1
 /// (with one rank, runs the output head itself), and takes the ids that come back, until
@@ -491,20 +520,14 @@ pub fn run_first<L: Link + ?Sized>(
     };
     let mut rep = PipelineReport::default();
     if size > 1 && req.hop_trips > 0 {
-        let payload = vec![0u8; 4 * stage.spec.d_model];
-        rep.hop_bytes = Msg::Ping(payload.clone()).encode().len() as u64;
-        let mut trips = Vec::with_capacity(req.hop_trips);
-        for _ in 0..req.hop_trips {
-            let t = Instant::now();
-            c.send(1, &Msg::Ping(payload.clone()))?;
-            match c.recv_from(1)? {
-                Msg::Ping(_) => trips.push(t.elapsed().as_secs_f64() / 2.0),
-                Msg::Error(e) => return Err(PipeError::Rank { rank: 1, msg: e }),
-                m => return Err(PipeError::Protocol(format!("expected a ping, got {m:?}"))),
-            }
-        }
-        trips.sort_by(f64::total_cmp);
-        rep.hop_seconds = trips[trips.len() / 2];
+        let d = stage.spec.d_model;
+        let blocks = stage.exec.plan().buffers.max_attn_res_sources;
+        (rep.hop_seconds, rep.hop_bytes) = time_hop(&mut c, 4 * d, req.hop_trips)?;
+        (rep.carry_hop_seconds, rep.carry_hop_bytes) = time_hop(
+            &mut c,
+            wire::work_bytes(1, d * (blocks + 1), blocks),
+            req.hop_trips,
+        )?;
         c.report = RankReport::default();
     }
     let t0 = Instant::now();
@@ -728,13 +751,16 @@ impl PipelineReport {
             .collect();
         v.push(format!(
             "pipeline: {} ranks, {} ids in {:.3} s ({:.2} ids/s); hop rank 0 -> 1: {:.1} us one \
-             way for {} bytes (median of round trips / 2)",
+             way for {} bytes, {:.1} us for {} bytes (a largest carry) (medians of round trips \
+             / 2)",
             self.ranks.len(),
             self.generated,
             self.seconds,
             self.tokens_per_second,
             self.hop_seconds * 1e6,
-            self.hop_bytes
+            self.hop_bytes,
+            self.carry_hop_seconds * 1e6,
+            self.carry_hop_bytes
         ));
         v
     }

@@ -14,7 +14,7 @@ pub(crate) fn run_main(a: &RunArgs) -> Result<u8, Failure> {
         if a.chat.chat || a.chat.serve.is_some() {
             return Err(Failure::usage(
                 "--pipeline runs --batch-ids / --ids requests; --chat and --serve are not \
-                 pipelined yet (docs/MPI.md)",
+                 pipelined yet (docs/SCALE-OUT.md)",
             ));
         }
         return pipeline_main(a);

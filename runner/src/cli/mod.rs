@@ -159,7 +159,7 @@ fn mistyped_subcommand() -> Option<String> {
 pub fn main() -> ExitCode {
     quiet_broken_pipe();
     if let Some(msg) = mistyped_subcommand() {
-        eprintln!("k3-run: error: {msg}");
+        say!("k3-run: error: {msg}");
         return ExitCode::from(exit::USAGE);
     }
     let matches = Cli::command().get_matches();
@@ -173,12 +173,12 @@ pub fn main() -> ExitCode {
         && let Err(f) = layering::layer_run(&mut cli.run, &matches)
             .and_then(|l| layering::check_plugins(&l, &cli.run))
     {
-        eprintln!("k3-run: error: {}", f.msg);
+        say!("k3-run: error: {}", f.msg);
         return ExitCode::from(f.code);
     }
     // K3_ISA naming an unknown or unavailable path is a usage error, not a silent fallback.
     if let Err(e) = k3_kernels::isa::env_override() {
-        eprintln!("k3-run: error: K3_ISA: {e}");
+        say!("k3-run: error: K3_ISA: {e}");
         return ExitCode::from(exit::USAGE);
     }
     let r = match &mut cli.command {
@@ -218,7 +218,7 @@ pub fn main() -> ExitCode {
     match r {
         Ok(c) => ExitCode::from(c),
         Err(f) => {
-            eprintln!("k3-run: error: {}", f.msg);
+            say!("k3-run: error: {}", f.msg);
             ExitCode::from(f.code)
         }
     }

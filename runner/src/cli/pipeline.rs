@@ -1,4 +1,4 @@
-//! `--pipeline`: the run split over MPI ranks (docs/MPI.md), and the split `plan --hosts` /
+//! `--pipeline`: the run split over MPI ranks (docs/SCALE-OUT.md), and the split `plan --hosts` /
 //! `--host-gb` prints.
 //!
 //! Owns: the pipeline flags, the per-host budgets -> [`crate::pipeline::Split`], and (with the
@@ -8,7 +8,7 @@
 
 use super::*;
 
-/// Pipeline flags (docs/MPI.md).
+/// Pipeline flags (docs/SCALE-OUT.md).
 #[derive(Args, Debug, Default, Clone)]
 pub struct PipelineArgs {
     /// Run as one rank of a pipeline across MPI ranks (under `mpirun` or `srun`; needs a
@@ -114,7 +114,7 @@ pub(crate) fn plan_split_lines(a: &RunArgs, spec: &ModelSpec) -> Result<Vec<Stri
 pub(crate) fn pipeline_main(_a: &RunArgs) -> Result<u8, Failure> {
     Err(Failure::usage(
         "--pipeline needs a k3-run built with the `mpi` feature (cargo build --release \
-         --features mpi; docs/MPI.md)",
+         --features mpi; docs/SCALE-OUT.md)",
     ))
 }
 
@@ -208,17 +208,37 @@ mod with_mpi {
     }
 
     /// Rank 0 says why it is going away when `mpirun` ends the job (SIGTERM after another
-    /// rank died), instead of vanishing silently.
+    /// rank died), instead of vanishing silently. mpirun sends SIGKILL 1 s after SIGTERM
+    /// (`odls_base_sigkill_timeout`), so the line is written and the process left from the
+    /// signal handler itself (write(2) and _exit(2), both async-signal-safe): a thread woken
+    /// by the signal may not run within that second on a loaded host.
     fn say_on_sigterm(rank: usize) {
         use signal_hook::consts::SIGTERM;
+        let line: &'static [u8] = format!(
+            "k3-run: error: pipeline rank {rank}: the job was ended from outside (SIGTERM; \
+             mpirun does this when another rank died or failed: its message names the rank); \
+             no ids for the unfinished sequences\n"
+        )
+        .into_bytes()
+        .leak();
+        #[cfg(unix)]
+        {
+            let code = exit::FORWARD as libc::c_int;
+            // SAFETY: the handler calls only write(2) and _exit(2), which are
+            // async-signal-safe, on a buffer that lives for the rest of the process.
+            let _ = unsafe {
+                signal_hook::low_level::register(SIGTERM, move || {
+                    libc::write(2, line.as_ptr().cast(), line.len());
+                    libc::_exit(code);
+                })
+            };
+        }
+        #[cfg(not(unix))]
         if let Ok(mut s) = signal_hook::iterator::Signals::new([SIGTERM]) {
             std::thread::spawn(move || {
                 if s.forever().next().is_some() {
-                    eprintln!(
-                        "k3-run: error: pipeline rank {rank}: the job was ended from outside \
-                         (SIGTERM; mpirun does this when another rank died or failed: its \
-                         message names the rank); no ids for the unfinished sequences"
-                    );
+                    use std::io::Write;
+                    let _ = std::io::stderr().write_all(line);
                     std::process::exit(exit::FORWARD as i32);
                 }
             });
@@ -276,12 +296,12 @@ mod with_mpi {
         };
         let status = built.as_ref().map(|_| ()).map_err(|e| e.clone());
         if let Err(e) = &status {
-            eprintln!("pipeline rank {rank}: cannot load its layers: {e}");
+            say!("pipeline rank {rank}: cannot load its layers: {e}");
         }
         if rank == 0 {
             let Some(split) = split.as_ref() else {
                 let msg = status.clone().err().unwrap_or_default();
-                eprintln!("k3-run: error: pipeline rank 0: {msg}");
+                say!("k3-run: error: pipeline rank 0: {msg}");
                 abort(&world, exit::USAGE);
             };
             if let Err(e) = pipeline::start_first(&mut link, split, n_layers, status) {
@@ -332,7 +352,7 @@ mod with_mpi {
                         }
                         _ => exit::FORWARD,
                     };
-                    eprintln!("k3-run: error: pipeline: {e}");
+                    say!("k3-run: error: pipeline: {e}");
                     abort(&world, code);
                 }
             }
@@ -340,7 +360,7 @@ mod with_mpi {
             match pipeline::run_worker(&mut link, &mut stage) {
                 Ok(()) => Ok(exit::OK),
                 Err(e) => {
-                    eprintln!("pipeline rank {rank}: {e}");
+                    say!("pipeline rank {rank}: {e}");
                     // rank 0 was told and ends the job; if it cannot, end it from here
                     std::thread::sleep(Duration::from_secs(10));
                     abort(&world, exit::FORWARD);
@@ -427,7 +447,7 @@ mod with_mpi {
         let threads = run_threads(a).map_err(|f| f.msg)?;
         let plan = with_prefill_chunk(a, Plan::new(&p.spec, p.positions)).map_err(|f| f.msg)?;
         let exec = Executor::new(&p.spec, plan, threads);
-        eprintln!(
+        say!(
             "pipeline rank {rank} (pid {}): layers {}..{} of {}",
             std::process::id(),
             rs.layers.start,
@@ -435,7 +455,7 @@ mod with_mpi {
             p.spec.n_layers
         );
         for l in lines {
-            eprintln!("  rank {rank}: {l}");
+            say!("  rank {rank}: {l}");
         }
         Ok(Stage::new(&p.spec, exec, providers, rs.layers, pinned))
     }

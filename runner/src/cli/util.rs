@@ -1,5 +1,25 @@
 use super::*;
 
+/// One line to stderr in a single write(2). `eprintln!` writes each piece of its format
+/// separately (stderr is unbuffered), so under `mpirun`, which merges the ranks' stderr, a
+/// line could be cut by another rank's output or cut short when the job is ended; one write
+/// of less than a pipe buffer (4 KB) arrives whole.
+pub(crate) fn stderr_line(line: &str) {
+    use std::io::Write;
+    let mut b = String::with_capacity(line.len() + 1);
+    b.push_str(line);
+    b.push('\n');
+    let _ = std::io::stderr().lock().write_all(b.as_bytes());
+}
+
+/// `eprintln!` as one write (see [`stderr_line`]).
+macro_rules! say {
+    ($($t:tt)*) => {
+        $crate::cli::util::stderr_line(&format!($($t)*))
+    };
+}
+pub(crate) use say;
+
 /// Write a file via a temporary name and rename, so a reader never sees half a file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp-k3run");

@@ -12,6 +12,23 @@ use crate::checkpoint::Checkpoint;
 /// The built-in manifest for Kimi K3 and every synthetic K3-family checkpoint.
 pub const KIMI_K3_MANIFEST: &str = include_str!("../../configs/models/kimi-k3.toml");
 
+/// The released Kimi K3's config.json (the published key set; the models crate's tests read
+/// the same file): the widths `k3-run doctor` plans the context for when no checkpoint
+/// directory with a config.json is named.
+pub const KIMI_K3_RELEASE_CONFIG: &str =
+    include_str!("../../models/tests/data/kimi-k3-config.json");
+
+/// The released Kimi K3's spec: the built-in manifest bound to [`KIMI_K3_RELEASE_CONFIG`].
+pub fn release_spec() -> Result<ModelSpec, SpecError> {
+    k3_models::load_spec_from_str(
+        KIMI_K3_MANIFEST,
+        "<built-in configs/models/kimi-k3.toml>",
+        KIMI_K3_RELEASE_CONFIG,
+        "<built-in models/tests/data/kimi-k3-config.json>",
+    )
+    .map_err(|e| SpecError(e.to_string()))
+}
+
 /// The model's manifest or config.json cannot be read or does not describe a model the
 /// manifest accepts; the message names the file and the key.
 #[derive(Debug, thiserror::Error)]

@@ -508,47 +508,57 @@ pub struct PresetContext {
     pub longest: Option<usize>,
 }
 
-/// The longest context each built-in preset holds for `plan`'s model: its budgets as a run
-/// with `--trunk` plans them ([`build_with`]: trunk plan with 2 ring slots, the expert cache
-/// up to every expert, lm_head and final norms whole with the embedding read through the map,
-/// or ultra's 64 MiB lm_head chunk and row buffers), in [`PRESET_MEMORY_GB`].
+/// The longest context each built-in preset holds for `plan`'s model in the memory of its
+/// machine class ([`PRESET_MEMORY_GB`]): [`preset_context`] for each.
 pub fn preset_contexts(plan: &Plan) -> Result<Vec<PresetContext>, StreamError> {
-    let sizes: Vec<u64> = plan.layers.iter().map(|l| l.trunk_bytes).collect();
     let mut out = Vec::new();
     for p in crate::stream::presets::builtin_presets()? {
         let Some(&(_, gb)) = PRESET_MEMORY_GB.iter().find(|(n, _)| *n == p.name) else {
             continue;
         };
-        let memory = (gb * 1e9) as u64;
-        let trunk = match crate::stream::plan::plan_trunk(&sizes, p.trunk_bytes()?, 2) {
-            Ok(t) => t.planned_bytes(),
-            Err(_) => {
-                out.push(PresetContext {
-                    preset: p.name.clone(),
-                    memory_bytes: memory,
-                    planned_bytes: 0,
-                    longest: None,
-                });
-                continue;
-            }
-        };
-        let experts = p.cache_bytes()?.min(plan.expert_bytes());
-        let lm_head = plan.global_bytes.saturating_sub(plan.embed_bytes);
-        let (global, mapped) = if p.ultra_low_memory {
-            let chunk = GlobalOptions::default().chunk_bytes as u64;
-            (lm_head.min(chunk) + plan.embed_row_bytes, false)
-        } else {
-            (lm_head, true)
-        };
-        let planned = trunk + experts + global;
-        out.push(PresetContext {
-            preset: p.name.clone(),
-            memory_bytes: memory,
-            planned_bytes: planned,
-            longest: Some(longest_context(plan, 1, planned, mapped, memory)),
-        });
+        out.push(preset_context(plan, &p, (gb * 1e9) as u64)?);
     }
     Ok(out)
+}
+
+/// The longest context of one sequence `preset` holds for `plan`'s model in `memory_bytes`:
+/// its budgets as a run with `--trunk` plans them ([`build_with`]: trunk plan with 2 ring
+/// slots, the expert cache up to every expert, lm_head and final norms whole with the
+/// embedding read through the map, or ultra's 64 MiB lm_head chunk and row buffers), and the
+/// decode state [`longest_context`] accepts next to them (`k3-run plan` per machine class,
+/// `k3-run doctor` in this machine's memory).
+pub fn preset_context(
+    plan: &Plan,
+    preset: &crate::stream::presets::Preset,
+    memory_bytes: u64,
+) -> Result<PresetContext, StreamError> {
+    let sizes: Vec<u64> = plan.layers.iter().map(|l| l.trunk_bytes).collect();
+    let trunk = match crate::stream::plan::plan_trunk(&sizes, preset.trunk_bytes()?, 2) {
+        Ok(t) => t.planned_bytes(),
+        Err(_) => {
+            return Ok(PresetContext {
+                preset: preset.name.clone(),
+                memory_bytes,
+                planned_bytes: 0,
+                longest: None,
+            });
+        }
+    };
+    let experts = preset.cache_bytes()?.min(plan.expert_bytes());
+    let lm_head = plan.global_bytes.saturating_sub(plan.embed_bytes);
+    let (global, mapped) = if preset.ultra_low_memory {
+        let chunk = GlobalOptions::default().chunk_bytes as u64;
+        (lm_head.min(chunk) + plan.embed_row_bytes, false)
+    } else {
+        (lm_head, true)
+    };
+    let planned = trunk + experts + global;
+    Ok(PresetContext {
+        preset: preset.name.clone(),
+        memory_bytes,
+        planned_bytes: planned,
+        longest: Some(longest_context(plan, 1, planned, mapped, memory_bytes)),
+    })
 }
 
 /// `k3-run plan`'s table of [`preset_contexts`].

@@ -2,8 +2,10 @@
 //!
 //! Owns: the machine check — toolchain (`rustc`/`cargo` versions against the workspace's
 //! `rust-version`), CPU model and the kernel paths it can run (`k3_kernels::isa`), memory
-//! (`MemAvailable`, the cgroup limit, transparent huge pages) and the preset that follows from
-//! it, the disk measured the way the engine reads it (large `O_DIRECT` reads, 8 MiB and
+//! (`MemAvailable`, the cgroup limit, transparent huge pages), the preset that follows from
+//! it and the longest context that preset leaves room for in that memory (the planner's
+//! [`crate::session::preset_context`], the latent MLA cache per position, for the `--model`
+//! config.json or the release's), the disk measured the way the engine reads it (large `O_DIRECT` reads, 8 MiB and
 //! 4096-aligned by default, into 2 MiB-page buffers like the trunk's, in random and in
 //! sequential order, at queue depth 1 and 16, over a test file written where the model or the
 //! trunk will live (`--dir`, else the `--trunk` directory, else `--model`; never the current
@@ -171,6 +173,77 @@ pub fn next_preset(available_bytes: u64) -> Option<(&'static str, f64)> {
         .rev()
         .find(|(min, _)| gb < *min)
         .map(|(min, name)| (*name, *min))
+}
+
+/// The model doctor plans the context for: the config.json of `--model DIR` when it is there
+/// (the model that will run), else the released Kimi K3's (built in: the checkpoint is not
+/// downloaded yet); with the words that say which. A config.json that is there but does not
+/// describe a model the manifest accepts is an error naming the file.
+pub fn context_model(model: Option<&Path>) -> Result<(crate::plan::Plan, String), String> {
+    let (spec, source) = match model.filter(|m| m.join("config.json").is_file()) {
+        Some(dir) => (
+            k3_engine::model::load_spec(dir, None, None)
+                .map_err(|e| format!("--model {}: {e}", dir.display()))?,
+            format!("the widths of {}", dir.join("config.json").display()),
+        ),
+        None => (
+            k3_engine::model::release_spec().map_err(|e| e.to_string())?,
+            "the released Kimi K3's widths".to_string(),
+        ),
+    };
+    // the context length is what is being found: the plan's own maximum is not used
+    Ok((crate::plan::Plan::new(&spec, 0), source))
+}
+
+/// The longest context of one sequence at `preset` in `available_bytes`: the planner's
+/// [`crate::session::preset_context`] (the one `k3-run plan` prints per machine class and a
+/// run's memory check refuses beyond), here in this machine's memory.
+pub fn context_at(
+    plan: &crate::plan::Plan,
+    preset: &str,
+    available_bytes: u64,
+) -> Result<crate::session::PresetContext, String> {
+    let p = crate::stream::presets::load_preset(preset).map_err(|e| e.to_string())?;
+    crate::session::preset_context(plan, &p, available_bytes).map_err(|e| e.to_string())
+}
+
+/// Doctor's `context` line for [`context_at`]'s answer.
+pub fn context_line(
+    plan: &crate::plan::Plan,
+    c: &crate::session::PresetContext,
+    source: &str,
+) -> String {
+    use crate::stream::fmt_bytes;
+    let mla: Vec<u64> = plan
+        .layers
+        .iter()
+        .map(|l| l.kv_bytes_per_position)
+        .filter(|&b| b > 0)
+        .collect();
+    let cache = match mla.first() {
+        Some(&per_layer) => format!(
+            "MLA latent cache {} per position ({} x {} MLA layers)",
+            fmt_bytes(plan.kv_bytes_per_position()),
+            fmt_bytes(per_layer),
+            mla.len()
+        ),
+        None => "no MLA layers: the state does not grow".to_string(),
+    };
+    let what = match c.longest {
+        None => "none: the preset's trunk budget cannot hold one ring slot of this model".into(),
+        Some(0) => "not one position: the weights' budgets leave no room".into(),
+        Some(crate::session::CONTEXT_SEARCH_MAX) => "no limit".into(),
+        Some(n) => format!("{n} positions of one sequence (--max-context up to {n})"),
+    };
+    format!(
+        "context    {what} at the {} preset in {} ({} planned for weights; {cache}, {} fixed \
+         state, {} for prompt chunks; {source})",
+        c.preset,
+        gb(c.memory_bytes),
+        fmt_bytes(c.planned_bytes),
+        fmt_bytes(plan.state_bytes()),
+        fmt_bytes(plan.prefill_bytes())
+    )
 }
 
 /// Whether a virtio balloon device is bound (a VM that may hand freed memory to its host).
@@ -986,6 +1059,31 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
         }
     }
 
+    // context: the decode state the preset leaves room for in this memory
+    let context = match (preset, available) {
+        (Some(p), Some(av)) => match context_model(a.model.as_deref())
+            .and_then(|(plan, source)| Ok((context_at(&plan, p, av)?, plan, source)))
+        {
+            Ok((c, plan, source)) => {
+                println!("{}", context_line(&plan, &c, &source));
+                Some(serde_json::json!({
+                    "preset": c.preset,
+                    "memory_bytes": c.memory_bytes,
+                    "planned_bytes": c.planned_bytes,
+                    "longest_positions": c.longest,
+                    "mla_cache_bytes_per_position": plan.kv_bytes_per_position(),
+                    "fixed_state_bytes": plan.state_bytes(),
+                    "model": source,
+                }))
+            }
+            Err(e) => {
+                println!("context    not planned: {e}");
+                None
+            }
+        },
+        _ => None,
+    };
+
     // disk
     let probe = probe_dir(a);
     let disk = if a.no_disk {
@@ -1179,6 +1277,7 @@ pub fn main(a: &DoctorArgs) -> Result<u8, Failure> {
             "available_bytes": available,
             "transparent_huge_pages": thp,
             "preset": preset,
+            "context": context,
             "disk": disk,
             "disk_floor_mb_per_s": disk.as_ref().and_then(|d| floor_read(&d.reads)).map(|r| r.mb_per_s),
             "dram": dram,
@@ -1244,6 +1343,63 @@ mod tests {
                 .map(|(_, g)| *g);
             assert_eq!(m, Some(gb), "{name}");
         }
+    }
+
+    #[test]
+    fn the_context_counts_the_latent_mla_cache_at_the_recommended_preset() {
+        use k3_models::spec::AttnKind;
+        let (plan, source) = context_model(None).expect("the release's config");
+        assert!(source.contains("released Kimi K3"), "{source}");
+        let spec = k3_engine::model::release_spec().expect("release spec");
+        let m = spec.mla.as_ref().expect("MLA");
+        let n_mla = spec.layers.iter().filter(|l| l.attn == AttnKind::Mla).count() as u64;
+        assert_eq!(n_mla, 24);
+        // per position: normalised c_kv and the shared k_rope of every MLA layer, f32
+        let latent = n_mla * 4 * (m.kv_lora_rank + m.d_rope) as u64;
+        let expanded = n_mla * 4 * (m.n_heads * (m.d_nope + m.d_v) + m.d_rope) as u64;
+        for av in [12 * GB, 23 * GB, 40 * GB, 150 * GB] {
+            let preset = pick_preset(av).expect("a preset");
+            let c = context_at(&plan, preset, av).expect("planned");
+            assert_eq!(c.preset, preset);
+            let n = c.longest.expect("a ring slot fits") as u64;
+            // what is left after the weights, the fixed state and the prompt chunks holds n
+            // positions of latent cache (and their embedding pages) and not one more
+            let free = av - c.planned_bytes - plan.state_bytes() - plan.prefill_bytes();
+            let need = |n: u64| latent * n + plan.embed_touched_bytes(n as usize);
+            assert!(need(n) <= free && need(n + 1) > free, "{preset} {av}: {n}");
+            // the expanded cache would hold far fewer: doctor does not count it
+            assert!(n > 10 * (free / expanded), "{preset}: {n}");
+            let line = context_line(&plan, &c, &source);
+            assert!(line.contains(&format!("{n} positions")), "{line}");
+            assert!(line.contains(&format!("at the {preset} preset")), "{line}");
+            assert!(line.contains("24 MLA layers"), "{line}");
+            assert!(
+                line.contains(&crate::stream::fmt_bytes(latent)),
+                "{line} vs {latent} B"
+            );
+        }
+    }
+
+    #[test]
+    fn the_context_is_planned_for_the_model_directory_when_it_has_a_config() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/A/ckpt");
+        let (plan, source) = context_model(Some(&fixture)).expect("fixture A");
+        assert!(source.contains("config.json"), "{source}");
+        let spec = k3_engine::model::load_spec(&fixture, None, None).expect("fixture A spec");
+        let m = spec.mla.as_ref().expect("MLA");
+        let n_mla = plan.layers.iter().filter(|l| l.kv_bytes_per_position > 0).count() as u64;
+        assert_eq!(
+            plan.kv_bytes_per_position(),
+            n_mla * 4 * (m.kv_lora_rank + m.d_rope) as u64
+        );
+        // not downloaded yet: the release's widths
+        let tmp = tempfile::tempdir().unwrap();
+        let (_, source) = context_model(Some(tmp.path())).expect("the release's config");
+        assert!(source.contains("released Kimi K3"), "{source}");
+        // a config.json that is not a model: the error names the directory
+        std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
+        let e = context_model(Some(tmp.path())).expect_err("not a model");
+        assert!(e.contains(&tmp.path().display().to_string()), "{e}");
     }
 
     #[test]

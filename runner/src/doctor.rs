@@ -1352,7 +1352,11 @@ mod tests {
         assert!(source.contains("released Kimi K3"), "{source}");
         let spec = k3_engine::model::release_spec().expect("release spec");
         let m = spec.mla.as_ref().expect("MLA");
-        let n_mla = spec.layers.iter().filter(|l| l.attn == AttnKind::Mla).count() as u64;
+        let n_mla = spec
+            .layers
+            .iter()
+            .filter(|l| l.attn == AttnKind::Mla)
+            .count() as u64;
         assert_eq!(n_mla, 24);
         // per position: normalised c_kv and the shared k_rope of every MLA layer, f32
         let latent = n_mla * 4 * (m.kv_lora_rank + m.d_rope) as u64;
@@ -1387,7 +1391,11 @@ mod tests {
         assert!(source.contains("config.json"), "{source}");
         let spec = k3_engine::model::load_spec(&fixture, None, None).expect("fixture A spec");
         let m = spec.mla.as_ref().expect("MLA");
-        let n_mla = plan.layers.iter().filter(|l| l.kv_bytes_per_position > 0).count() as u64;
+        let n_mla = plan
+            .layers
+            .iter()
+            .filter(|l| l.kv_bytes_per_position > 0)
+            .count() as u64;
         assert_eq!(
             plan.kv_bytes_per_position(),
             n_mla * 4 * (m.kv_lora_rank + m.d_rope) as u64

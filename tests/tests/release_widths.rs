@@ -2,7 +2,7 @@
 //! has every per-layer width, the vocabulary (163,840) and the globals of the release's
 //! config.json (hidden 7168, a 2.34 GB layer 0 with the 33,792-wide dense MLP, 17.5 MB MXFP4
 //! experts, 2.35 GB embedding and lm_head) on 3 layers with 24 routed experts. Resident,
-//! streamed at one slot / a shared ring / two slots / some pinned / all pinned, several expert
+//! streamed at one slot / a shared ring / layer 0 pinned / all pinned, several expert
 //! caches and `--ultra-low-memory` must give the same generated ids and first-step logit bits.
 //!
 //! Ignored by default: the model is ~10 GB (plus a ~4.3 GB packed trunk) and takes minutes to
@@ -60,13 +60,21 @@ fn identical_output_at_the_release_widths() {
             "shared ring, cache 1 expert",
             streamed(largest, 2, Some(expert)),
         ),
+        // two slots of layer 0 hold more than the 3 layers together, so the plan pins them
+        // all: the two-slot ring itself is exercised on the 13-layer k3-wide (its bench rows)
         (
-            "two slots, cache 16 experts",
+            "two slots asked for (the plan pins all), cache 16 experts",
             streamed(2 * largest, 2, Some(16 * expert)),
         ),
+        // layer 0 pinned and one slot for the larger of the other two: layer 1 cannot be
+        // pinned as well, since layer 2 would have no slot left
         (
             "layer 0 pinned + one slot, cache 40 experts",
-            streamed(al[0] + largest, 1, Some(40 * expert)),
+            streamed(
+                al[0] + al[1..].iter().max().expect("3 layers"),
+                1,
+                Some(40 * expert),
+            ),
         ),
         (
             "all pinned, every expert cached",
@@ -88,6 +96,15 @@ fn identical_output_at_the_release_widths() {
             got
         );
         assert_eq!(got, want, "{label}: output differs from resident");
+        if label.starts_with("layer 0 pinned") {
+            assert!(
+                t.pinned_layers == 1 && t.ring_slots == 1,
+                "{label}: expected layer 0 pinned and one slot: {t:?}"
+            );
+        }
+        if label.starts_with("two slots") || label.starts_with("all pinned") {
+            assert_eq!(t.pinned_layers, t.n_layers, "{label}: {t:?}");
+        }
         if label.starts_with("shared ring") || label.starts_with("ultra") {
             assert!(
                 t.shared_ring_bytes > 0 && t.reader_thread,

@@ -334,6 +334,7 @@ fn every_shipped_synth_spec_builds_a_valid_model_and_k3_mini_has_the_stated_size
             "k3-counts-flat",
             "k3-mini",
             "k3-mini-flat",
+            "k3-mini-loop",
             "k3-wide",
             "k3-wide-small",
             "odd9",

@@ -207,12 +207,28 @@ mod with_mpi {
         world.abort(code as i32)
     }
 
-    /// Rank 0 says why it is going away when `mpirun` ends the job (SIGTERM after another
-    /// rank died), instead of vanishing silently. mpirun sends SIGKILL 1 s after SIGTERM
-    /// (`odls_base_sigkill_timeout`), so the line is written and the process left from the
-    /// signal handler itself (write(2) and _exit(2), both async-signal-safe): a thread woken
-    /// by the signal may not run within that second on a loaded host.
-    fn say_on_sigterm(rank: usize) {
+    /// How long a rank other than 0 stays after a SIGTERM (then it leaves with exit 1):
+    /// longer than mpirun's wait between its SIGTERM and its SIGKILL (1 s,
+    /// `odls_base_sigkill_timeout`), so mpirun's SIGKILL, sent once rank 0 has gone, ends it.
+    const WORKER_SIGTERM_HOLD: Duration = Duration::from_secs(2);
+
+    /// SIGTERM on every rank, so rank 0 says why it is going away when `mpirun` ends the job
+    /// (after another rank died or failed) instead of vanishing silently.
+    ///
+    /// mpirun (Open MPI 4.1) ends a job by sending every remaining rank SIGCONT, then 1 s
+    /// later SIGTERM, then waits up to 1 s (`odls_base_sigkill_timeout`) before SIGKILL; but
+    /// that wait ends at the first SIGCHLD, so the SIGKILL follows as soon as any one rank
+    /// has died of the SIGTERM. With only rank 0 handling SIGTERM, the others died of it at
+    /// once and rank 0 had 0.1-2 ms to write its line: on a loaded host it was often not
+    /// even scheduled by then (strace: SIGKILL 87 us after the SIGTERM was delivered).
+    /// Hence: rank 0 writes the line and leaves (write(2) then _exit(2), async-signal-safe,
+    /// from the handler itself, so no other thread needs to be scheduled); its exit is the
+    /// SIGCHLD that ends mpirun's wait, and its pipe holds the line by then, which mpirun
+    /// drains before it exits. Every other rank holds on in its handler
+    /// ([`WORKER_SIGTERM_HOLD`], nanosleep(2), async-signal-safe) so that its death does
+    /// not cut rank 0's second short; mpirun's SIGKILL ends it, or it leaves by itself
+    /// when the SIGTERM came from elsewhere (a scheduler's SIGTERM and later SIGKILL).
+    fn handle_sigterm(rank: usize) {
         use signal_hook::consts::SIGTERM;
         let line: &'static [u8] = format!(
             "k3-run: error: pipeline rank {rank}: the job was ended from outside (SIGTERM; \
@@ -224,24 +240,42 @@ mod with_mpi {
         #[cfg(unix)]
         {
             let code = exit::FORWARD as libc::c_int;
-            // SAFETY: the handler calls only write(2) and _exit(2), which are
-            // async-signal-safe, on a buffer that lives for the rest of the process.
+            let hold = libc::timespec {
+                tv_sec: WORKER_SIGTERM_HOLD.as_secs() as libc::time_t,
+                tv_nsec: 0,
+            };
+            // SAFETY: the handler calls only write(2), nanosleep(2) and _exit(2), which are
+            // async-signal-safe, on a buffer that lives for the rest of the process and on
+            // timespecs of its own stack.
             let _ = unsafe {
                 signal_hook::low_level::register(SIGTERM, move || {
-                    libc::write(2, line.as_ptr().cast(), line.len());
+                    if rank == 0 {
+                        libc::write(2, line.as_ptr().cast(), line.len());
+                    } else {
+                        let mut left = hold;
+                        let mut rem = libc::timespec {
+                            tv_sec: 0,
+                            tv_nsec: 0,
+                        };
+                        while libc::nanosleep(&left, &mut rem) != 0 {
+                            left = rem;
+                        }
+                    }
                     libc::_exit(code);
                 })
             };
         }
         #[cfg(not(unix))]
-        if let Ok(mut s) = signal_hook::iterator::Signals::new([SIGTERM]) {
-            std::thread::spawn(move || {
-                if s.forever().next().is_some() {
-                    use std::io::Write;
-                    let _ = std::io::stderr().write_all(line);
-                    std::process::exit(exit::FORWARD as i32);
-                }
-            });
+        if rank == 0 {
+            if let Ok(mut s) = signal_hook::iterator::Signals::new([SIGTERM]) {
+                std::thread::spawn(move || {
+                    if s.forever().next().is_some() {
+                        use std::io::Write;
+                        let _ = std::io::stderr().write_all(line);
+                        std::process::exit(exit::FORWARD as i32);
+                    }
+                });
+            }
         }
     }
 
@@ -251,9 +285,7 @@ mod with_mpi {
         };
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        if rank == 0 {
-            say_on_sigterm(rank);
-        }
+        handle_sigterm(rank);
         let timeout = Duration::from_secs_f64(a.pipe.pipeline_timeout.unwrap_or(600.0).max(1.0));
         // Everything that can fail before the handshake is this rank's load status.
         let prepared = prepare(a, size);
